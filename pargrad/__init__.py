@@ -1,0 +1,76 @@
+"""pargrad: reverse-mode automatic differentiation over numpy.
+
+>>> import pargrad
+>>> x = pargrad.tensor([1.0, 2.0], requires_grad=True)
+>>> y = (x * x + 3 * x).sum()
+>>> y.backward()
+>>> x.grad
+tensor([5., 7.], dtype=float64)
+"""
+
+from pargrad.autograd import backward
+from pargrad.engine import (
+    Engine,
+    SequentialEngine,
+    current_engine,
+    get_default_engine,
+    set_default_engine,
+    use_engine,
+)
+from pargrad.function import Function, FunctionCtx
+from pargrad.grad_mode import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
+from pargrad.gradcheck import GradcheckError, gradcheck
+from pargrad.graph import AccumulateGrad, BackwardError, Node
+from pargrad.ops import (
+    abs,
+    add,
+    astype,
+    broadcast_to,
+    clip,
+    concatenate,
+    cos,
+    divide,
+    exp,
+    expand_dims,
+    log,
+    log_softmax,
+    logsumexp,
+    matmul,
+    max,
+    maximum,
+    mean,
+    min,
+    minimum,
+    multiply,
+    negative,
+    power,
+    relu,
+    reshape,
+    sigmoid,
+    sin,
+    softmax,
+    split,
+    sqrt,
+    squeeze,
+    stack,
+    subtract,
+    sum,
+    swapaxes,
+    tanh,
+    transpose,
+    where,
+)
+from pargrad.tensor import Tensor, tensor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AccumulateGrad", "BackwardError", "Engine", "Function", "FunctionCtx", "GradcheckError",
+    "Node", "SequentialEngine", "Tensor", "abs", "add", "astype", "backward", "broadcast_to",
+    "clip", "concatenate", "cos", "current_engine", "divide", "enable_grad", "exp",
+    "expand_dims", "get_default_engine", "gradcheck", "is_grad_enabled", "log", "log_softmax",
+    "logsumexp", "matmul", "max", "maximum", "mean", "min", "minimum", "multiply", "negative",
+    "no_grad", "power", "relu", "reshape", "set_default_engine", "set_grad_enabled", "sigmoid",
+    "sin", "softmax", "split", "sqrt", "squeeze", "stack", "subtract", "sum", "swapaxes", "tanh",
+    "tensor", "transpose", "use_engine", "where",
+]

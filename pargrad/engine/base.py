@@ -1,0 +1,99 @@
+"""The Engine interface and the choice of engine for a backward call.
+
+An engine runs the backward pass over a graph: it asks ``Dependencies`` which nodes are
+ready, calls ``Node.apply`` on them, and moves gradients along edges. It never touches
+``.grad``: it returns what each leaf's ``AccumulateGrad`` gathered, and the caller
+commits that once the whole backward has succeeded.
+
+Which engine runs a backward: the ``engine=`` argument if given, else the innermost
+``use_engine`` block of the calling thread, else the process-wide default.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+
+from pargrad.graph import AccumulateGrad, Edge, Grad
+
+
+class Engine(ABC):
+    """Runs the backward pass of one call. Subclasses: SequentialEngine (the reference)."""
+
+    @abstractmethod
+    def execute(
+        self,
+        roots: Sequence[Edge],
+        grads: Sequence[Grad],
+        *,
+        retain_graph: bool,
+        create_graph: bool,
+    ) -> dict[AccumulateGrad, Grad]:
+        """Backpropagate ``grads`` from the ``roots`` edges through the graph.
+
+        Blocks until done. Returns the total gradient gathered at each leaf's
+        AccumulateGrad (leaves that got none are absent). Gradients are summed in
+        canonical order (docs/design.md). Runs node backwards with grad mode set to
+        ``create_graph``; frees saved values unless ``retain_graph``. Raises the
+        ``BackwardError`` of the first failing node.
+        """
+
+
+# The process-wide default. Rebinding a module global is atomic even without the GIL.
+_default_engine: Engine | None = None
+# Per-thread stack of engines chosen with use_engine; each thread touches only its own.
+_local = threading.local()
+
+
+def get_default_engine() -> Engine:
+    """The process-wide default engine (a SequentialEngine unless changed)."""
+    global _default_engine
+    if _default_engine is None:
+        from pargrad.engine.sequential import SequentialEngine
+
+        _default_engine = SequentialEngine()
+    return _default_engine
+
+
+def set_default_engine(engine: Engine) -> None:
+    """Make ``engine`` the process-wide default for backward calls."""
+    global _default_engine
+    if not isinstance(engine, Engine):
+        raise TypeError(f"expected a pargrad Engine, got {type(engine).__name__}")
+    _default_engine = engine
+
+
+@contextlib.contextmanager
+def use_engine(engine: Engine) -> Iterator[Engine]:
+    """Run backward calls made by this thread inside the block on ``engine``.
+
+    >>> import pargrad
+    >>> x = pargrad.tensor(3.0, requires_grad=True)
+    >>> with pargrad.use_engine(pargrad.SequentialEngine()):
+    ...     (x * x).backward()
+    >>> x.grad
+    tensor(6., dtype=float64)
+    """
+    if not isinstance(engine, Engine):
+        raise TypeError(f"expected a pargrad Engine, got {type(engine).__name__}")
+    stack = _engine_stack()
+    stack.append(engine)
+    try:
+        yield engine
+    finally:
+        stack.pop()
+
+
+def current_engine() -> Engine:
+    """The engine a backward call made now by this thread would use."""
+    stack = _engine_stack()
+    return stack[-1] if stack else get_default_engine()
+
+
+def _engine_stack() -> list[Engine]:
+    stack: list[Engine] | None = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    return stack

@@ -1,0 +1,81 @@
+"""SequentialEngine: the reference backward engine, and the oracle for every other.
+
+The seed's algorithm, one node at a time on the calling thread:
+
+1. Count, for every (node, output) reachable from the roots, the edges that will
+   deliver a gradient to it (``Dependencies``: the seed's ``_compute_dependencies``).
+2. Put the root gradients into the roots' buffers; roots owed nothing are ready.
+3. Pop the ready node with the highest sequence number, call its backward, and add
+   each result into the buffer of the node at the other end of the edge. Each delivery
+   lowers one counter (``_free_backward_dependency``); a node whose counters are all
+   zero is ready (``_is_ready_for_backward``) and joins the ready list.
+4. A leaf's AccumulateGrad is not called: its gathered gradient is returned.
+
+Popping the highest sequence number runs nodes in exactly reverse creation order (the
+newest unrun node is always ready, since everything that consumed it was created
+later), so gradients reach each buffer in the canonical order of docs/design.md.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+from pargrad.engine.base import Engine
+from pargrad.engine.buffer import InputBuffer
+from pargrad.grad_mode import set_grad_enabled
+from pargrad.graph import AccumulateGrad, Dependencies, Edge, Grad, Node
+
+
+class SequentialEngine(Engine):
+    """The reference engine: runs the backward on the calling thread, node by node.
+
+    Thread-safe in the sense that independent calls from several threads do not share
+    state; it holds none.
+    """
+
+    def __repr__(self) -> str:
+        return "SequentialEngine()"
+
+    def execute(
+        self,
+        roots: Sequence[Edge],
+        grads: Sequence[Grad],
+        *,
+        retain_graph: bool,
+        create_graph: bool,
+    ) -> dict[AccumulateGrad, Grad]:
+        root_nodes = [node for node, _ in roots if node is not None]
+        dependencies = Dependencies(root_nodes)
+        buffers: dict[Node, InputBuffer] = {}
+
+        def deliver(node: Node, output_nr: int, grad: Grad | None) -> None:
+            buffer = buffers.get(node)
+            if buffer is None:
+                buffer = buffers[node] = InputBuffer(node.num_outputs)
+            buffer.accumulate(output_nr, grad)
+
+        for (node, output_nr), grad in zip(roots, grads):
+            if node is not None:
+                deliver(node, output_nr, grad)
+        ready = [(-node.sequence_nr, node) for node in dict.fromkeys(root_nodes)
+                 if dependencies.is_ready(node)]
+        heapq.heapify(ready)
+
+        captured: dict[AccumulateGrad, Grad] = {}
+        with set_grad_enabled(create_graph):
+            while ready:
+                _, node = heapq.heappop(ready)
+                inputs = buffers.pop(node).take()
+                if isinstance(node, AccumulateGrad):
+                    if inputs[0] is not None:
+                        captured[node] = inputs[0]
+                    continue
+                outputs = node.apply(inputs, retain_graph=retain_graph)
+                for (next_node, input_nr), grad in zip(node.next_functions, outputs):
+                    if next_node is None:
+                        continue
+                    deliver(next_node, input_nr, grad)
+                    if dependencies.release(next_node, input_nr):
+                        heapq.heappush(ready, (-next_node.sequence_nr, next_node))
+        return captured

@@ -1,0 +1,115 @@
+"""Grad mode: whether operations record a graph for backward.
+
+Grad mode is thread-local, like PyTorch's: a ``no_grad()`` block in one thread never
+changes what another thread records. Each thread starts with grad mode enabled.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# Per-thread flag; no lock needed because each thread only touches its own attribute.
+_local = threading.local()
+
+
+def is_grad_enabled() -> bool:
+    """Return True if operations in the calling thread currently record a graph."""
+    return getattr(_local, "enabled", True)
+
+
+def _set_enabled(flag: bool) -> None:
+    _local.enabled = flag
+
+
+class _GradModeContext:
+    """Base for grad-mode switches usable as context managers and as decorators."""
+
+    _mode: bool
+
+    def __init__(self) -> None:
+        self._previous: list[bool] = []
+
+    def __enter__(self) -> None:
+        self._previous.append(is_grad_enabled())
+        _set_enabled(self._mode)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        _set_enabled(self._previous.pop())
+
+    def __call__(self, func: F) -> F:
+        """Use as a decorator: every call of ``func`` runs under this mode."""
+
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with self._fresh():
+                return func(*args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]
+
+    def _fresh(self) -> _GradModeContext:
+        return type(self)()
+
+
+class no_grad(_GradModeContext):
+    """Context manager and decorator that disables graph recording in this thread.
+
+    >>> import pargrad
+    >>> x = pargrad.tensor([1.0, 2.0], requires_grad=True)
+    >>> with pargrad.no_grad():
+    ...     y = x * 2
+    >>> y.requires_grad
+    False
+    """
+
+    _mode = False
+
+
+class enable_grad(_GradModeContext):
+    """Context manager and decorator that enables graph recording in this thread."""
+
+    _mode = True
+
+
+class set_grad_enabled(_GradModeContext):
+    """Set grad mode for this thread; as a context manager, restore it on exit.
+
+    Like ``torch.set_grad_enabled``: the mode changes as soon as the object is
+    created, so ``pargrad.set_grad_enabled(False)`` works as a plain call too.
+    """
+
+    def __init__(self, mode: bool) -> None:
+        super().__init__()
+        self._mode = bool(mode)
+        self._previous.append(is_grad_enabled())
+        _set_enabled(self._mode)
+
+    def __enter__(self) -> None:
+        # The mode was already set in __init__; nothing more to do.
+        pass
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        _set_enabled(self._previous.pop())
+
+    def __call__(self, func: F) -> F:
+        # Used as a decorator, creating this object must not leave the mode changed.
+        _set_enabled(self._previous.pop())
+        return super().__call__(func)
+
+    def _fresh(self) -> _GradModeContext:
+        return set_grad_enabled(self._mode)

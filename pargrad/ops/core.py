@@ -1,0 +1,233 @@
+"""The machinery behind every differentiable op: ``Op``, its graph node, numpy dispatch.
+
+An ``Op`` pairs a numpy forward with its gradient rules, one rule per positional
+argument (HIPS autograd's ``defvjp``). Positional arguments are data (Tensors, arrays or
+scalars) and each gets an edge; keyword arguments are static parameters (``axis``...).
+
+A rule has the signature ``rule(g, ans, *args, **params)`` and returns the gradient for
+its argument; it may return a broadcast shape, which ``Node.apply`` sums back. Rules are
+written with numpy functions and operators only. When no graph of the backward is
+recorded they run on plain arrays and cost exactly the numpy calls they make; with
+``create_graph=True`` they receive Tensors and the same numpy calls dispatch back to
+pargrad's ops through ``__array_ufunc__`` / ``__array_function__``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from pargrad.grad_mode import is_grad_enabled
+from pargrad.graph import Grad, Meta, Node
+from pargrad.tensor import Tensor
+
+Rule = Callable[..., Any]
+
+
+def nondifferentiable(g: Grad, ans: Any, *args: Any, **params: Any) -> None:
+    """Rule for an argument that gets no gradient (e.g. ``where``'s condition)."""
+    return None
+
+
+class Op:
+    """A differentiable primitive: a numpy ``forward`` and its gradient rules.
+
+    ``rules[i]`` is the rule for positional argument ``i``. Variadic ops (``concatenate``)
+    give ``argnum_rule(i, g, ans, *args, **params)`` instead. An op with several outputs
+    (``multi_output=True``) gets the tuple of output gradients as ``g``.
+    """
+
+    __slots__ = ("argnum_rule", "forward", "multi_output", "name", "node_name", "rules")
+
+    def __init__(
+        self,
+        name: str,
+        forward: Callable[..., Any],
+        rules: Sequence[Rule] = (),
+        *,
+        argnum_rule: Callable[..., Any] | None = None,
+        multi_output: bool = False,
+    ) -> None:
+        self.name = name
+        self.node_name = "".join(p.capitalize() for p in name.split("_")) + "Backward"
+        self.forward = forward
+        self.rules = tuple(rules)
+        self.argnum_rule = argnum_rule
+        self.multi_output = multi_output
+
+    def __repr__(self) -> str:
+        return f"<pargrad op {self.name}>"
+
+    def has_rule(self, i: int) -> bool:
+        return self.argnum_rule is not None or i < len(self.rules)
+
+    def vjp(self, i: int, g: Any, ans: Any, args: tuple[Any, ...], params: dict[str, Any]) -> Any:
+        """The gradient for argument ``i``, by its rule."""
+        if self.argnum_rule is not None:
+            return self.argnum_rule(i, g, ans, *args, **params)
+        return self.rules[i](g, ans, *args, **params)
+
+    def __call__(self, *args: Any, **params: Any) -> Any:
+        """Run the forward on the arguments' arrays; record a node if a gradient is needed."""
+        operands = tuple(_operand(a) for a in args)
+        arrays = [a.data if isinstance(a, Tensor) else a for a in operands]
+        try:
+            out = self.forward(*arrays, **params)
+        except (ValueError, IndexError, TypeError) as exc:
+            raise _forward_error(self.name, exc, arrays, params) from exc
+        outs = tuple(np.asarray(o) for o in out) if self.multi_output else (np.asarray(out),)
+        needs_graph = is_grad_enabled() and any(
+            isinstance(a, Tensor) and a.requires_grad for a in operands
+        )
+        if needs_graph and np.issubdtype(outs[0].dtype, np.floating):
+            node: Node | None = OpNode(self, operands, params, outs)
+        else:
+            node = None
+        results = tuple(Tensor._make(o, node, i) for i, o in enumerate(outs))
+        return results if self.multi_output else results[0]
+
+
+def _operand(a: Any) -> Any:
+    if isinstance(a, (list, tuple)):
+        return np.asarray(a)
+    return a
+
+
+def _describe(a: Any) -> str:
+    if isinstance(a, np.ndarray):
+        return f"array of shape {a.shape} and dtype {a.dtype}"
+    return repr(a)
+
+
+def _forward_error(
+    name: str, exc: Exception, arrays: Sequence[Any], params: dict[str, Any]
+) -> Exception:
+    operands = "; ".join(_describe(a) for a in arrays)
+    extra = "".join(f", {k}={v!r}" for k, v in params.items())
+    message = f"{name}: {exc} (operands: {operands}{extra})"
+    for kind in (ValueError, IndexError, TypeError):
+        if isinstance(exc, kind):
+            return kind(message)
+    return ValueError(message)  # pragma: no cover - the except clause lists the kinds
+
+
+class OpNode(Node):
+    """The backward node of one op call: saves the arguments and the output arrays."""
+
+    __slots__ = ("op", "params", "saved_args", "saved_outputs")
+
+    def __init__(
+        self, op: Op, args: tuple[Any, ...], params: dict[str, Any], outs: tuple[np.ndarray, ...]
+    ) -> None:
+        edges = []
+        metas: list[Meta | None] = []
+        for i, a in enumerate(args):
+            if isinstance(a, Tensor) and a.requires_grad:
+                if not op.has_rule(i):  # fail in the forward, where the call is visible
+                    raise TypeError(f"{op.name}: no gradient rule for argument {i}")
+                edges.append(a._edge())
+                metas.append((a.shape, a.dtype))
+            else:
+                edges.append((None, 0))
+                metas.append(None)
+        super().__init__(tuple(edges), tuple(metas), tuple((o.shape, o.dtype) for o in outs))
+        self.op = op
+        self.params = params
+        self.saved_args: tuple[Any, ...] | None = args
+        self.saved_outputs: tuple[np.ndarray, ...] | None = outs
+
+    def name(self) -> str:
+        return self.op.node_name
+
+    def _free_saved(self) -> bool:
+        self.saved_args = None
+        self.saved_outputs = None
+        return True
+
+    def backward(self, grads: tuple[Grad, ...]) -> list[Grad | None]:
+        assert self.saved_args is not None and self.saved_outputs is not None
+        if is_grad_enabled():
+            # Recording a graph of this backward: differentiate through the saved
+            # Tensors themselves, and through outputs rebuilt around this very node.
+            args: tuple[Any, ...] = self.saved_args
+            outs: tuple[Any, ...] = tuple(
+                Tensor._make(o, self, i) for i, o in enumerate(self.saved_outputs)
+            )
+        else:
+            args = tuple(a.data if isinstance(a, Tensor) else a for a in self.saved_args)
+            outs = self.saved_outputs
+        g = grads if self.op.multi_output else grads[0]
+        ans = outs if self.op.multi_output else outs[0]
+        return [
+            None if next_node is None else self.op.vjp(i, g, ans, args, self.params)
+            for i, (next_node, _) in enumerate(self.next_functions)
+        ]
+
+
+def defop(name: str, forward: Callable[..., Any], *rules: Rule, **options: Any) -> Op:
+    """Define an op from its numpy forward and one gradient rule per positional argument."""
+    return Op(name, forward, rules, **options)
+
+
+# ----- numpy dispatch -----
+# Filled by the op modules: which op or function serves a numpy ufunc / function when it
+# is called with Tensors.
+UFUNC_OPS: dict[np.ufunc, Callable[..., Any]] = {}
+FUNCTION_OPS: dict[Callable[..., Any], Callable[..., Any]] = {}
+
+# Ufuncs whose result never carries a gradient (comparisons, logic, rounding, sign).
+CONSTANT_UFUNCS = frozenset({
+    np.less, np.less_equal, np.greater, np.greater_equal, np.equal, np.not_equal,
+    np.logical_and, np.logical_or, np.logical_not, np.logical_xor,
+    np.isfinite, np.isinf, np.isnan, np.sign, np.floor, np.ceil, np.rint, np.trunc,
+})
+
+
+def implements(*numpy_functions: Callable[..., Any]) -> Callable[[Callable[..., Any]], Any]:
+    """Register a pargrad function as the implementation of numpy functions on Tensors."""
+
+    def register(func: Callable[..., Any]) -> Callable[..., Any]:
+        for np_func in numpy_functions:
+            if isinstance(np_func, np.ufunc):
+                UFUNC_OPS[np_func] = func
+            else:
+                FUNCTION_OPS[np_func] = func
+        return func
+
+    return register
+
+
+def constant(ufunc: Callable[..., Any], *args: Any) -> Tensor:
+    """Apply a numpy function to the arrays of ``args``; the result needs no gradient."""
+    return Tensor._make(np.asarray(ufunc(*(a.data if isinstance(a, Tensor) else a for a in args))))
+
+
+def dispatch_ufunc(
+    ufunc: np.ufunc, method: str, inputs: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``Tensor.__array_ufunc__``: route a numpy ufunc call to the matching op."""
+    if method == "__call__" and not kwargs:
+        op = UFUNC_OPS.get(ufunc)
+        if op is not None:
+            return op(*inputs)
+        if ufunc in CONSTANT_UFUNCS:
+            return constant(ufunc, *inputs)
+    raise TypeError(
+        f"pargrad Tensors do not support numpy.{ufunc.__name__}"
+        f"{'' if method == '__call__' else '.' + method}"
+        f"{' with ' + ', '.join(kwargs) if kwargs else ''}; call it on tensor.numpy() "
+        f"(no gradient) or use a pargrad op"
+    )
+
+
+def dispatch_function(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """``Tensor.__array_function__``: route a numpy function call to the matching op."""
+    impl = FUNCTION_OPS.get(func)
+    if impl is None:
+        raise TypeError(
+            f"pargrad Tensors do not support numpy.{getattr(func, '__name__', func)}; call it "
+            f"on tensor.numpy() (no gradient) or use a pargrad op"
+        )
+    return impl(*args, **kwargs)

@@ -1,0 +1,106 @@
+"""Elementwise ops and their gradient rules: ``rule(g, ans, *args)``, one per argument.
+
+Broadcasting needs no care here: ``Node.apply`` sums each gradient back to its input's
+shape and casts it to its input's dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from pargrad.ops.core import defop, implements, nondifferentiable
+from pargrad.tensor import Tensor
+
+# ----- arithmetic -----
+add = defop("add", np.add,
+            lambda g, ans, x, y: g,
+            lambda g, ans, x, y: g)
+subtract = defop("subtract", np.subtract,
+                 lambda g, ans, x, y: g,
+                 lambda g, ans, x, y: -g)
+multiply = defop("multiply", np.multiply,
+                 lambda g, ans, x, y: g * y,
+                 lambda g, ans, x, y: g * x)
+divide = defop("divide", np.divide,
+               lambda g, ans, x, y: g / y,
+               lambda g, ans, x, y: -g * ans / y)
+negative = defop("negative", np.negative,
+                 lambda g, ans, x: -g)
+
+
+def _power_base_rule(g: Any, ans: Any, x: Any, y: Any) -> Any:
+    # d(x**y)/dx is 0 wherever y == 0, even at x == 0 (where y * x**(y-1) would be nan).
+    if isinstance(y, (int, float)):
+        return g * 0 if y == 0 else g * y * x ** (y - 1)
+    return np.where(y == 0, 0, g * y * x ** np.where(y == 0, 1, y - 1))
+
+
+# d(x**y)/dy takes log(x) as 0 at x == 0, so 0**y (y > 0) has gradient 0 in y.
+power = defop("power", np.power,
+              _power_base_rule,
+              lambda g, ans, x, y: g * ans * np.log(np.where(x == 0, 1, x)))
+
+# ----- exponentials and powers -----
+exp = defop("exp", np.exp, lambda g, ans, x: g * ans)
+log = defop("log", np.log, lambda g, ans, x: g / x)
+sqrt = defop("sqrt", np.sqrt, lambda g, ans, x: g / (2 * ans))
+
+# ----- piecewise -----
+# abs'(0) is taken as 0, relu'(0) as 0. maximum/minimum split g evenly on ties.
+abs = defop("absolute", np.absolute, lambda g, ans, x: g * np.sign(x))
+relu = defop("relu", lambda x: np.maximum(x, 0), lambda g, ans, x: g * (x > 0))
+maximum = defop("maximum", np.maximum,
+                lambda g, ans, x, y: np.where(x == y, g / 2, g * (x > y)),
+                lambda g, ans, x, y: np.where(x == y, g / 2, g * (y > x)))
+minimum = defop("minimum", np.minimum,
+                lambda g, ans, x, y: np.where(x == y, g / 2, g * (x < y)),
+                lambda g, ans, x, y: np.where(x == y, g / 2, g * (y < x)))
+# The gradient goes to x where a_min <= x <= a_max, else to the bound that was used.
+_clip = defop("clip", np.clip,
+              lambda g, ans, x, lo, hi: g * np.logical_and(x >= lo, x <= hi),
+              lambda g, ans, x, lo, hi: g * (x < lo),
+              lambda g, ans, x, lo, hi: g * (x > hi))
+where_ = defop("where", np.where,
+               nondifferentiable,
+               lambda g, ans, c, x, y: np.where(c, g, 0),
+               lambda g, ans, c, x, y: np.where(c, 0, g))
+
+# ----- trigonometric and hyperbolic -----
+sin = defop("sin", np.sin, lambda g, ans, x: g * np.cos(x))
+cos = defop("cos", np.cos, lambda g, ans, x: -g * np.sin(x))
+tanh = defop("tanh", np.tanh, lambda g, ans, x: g * (1 - ans * ans))
+# 0.5 * (1 + tanh(x / 2)) is sigmoid without overflow for large |x|.
+sigmoid = defop("sigmoid", lambda x: 0.5 * (1 + np.tanh(0.5 * x)),
+                lambda g, ans, x: g * ans * (1 - ans))
+
+# ----- dtype -----
+_astype = defop("astype", lambda x, *, dtype: x.astype(dtype),
+                lambda g, ans, x, *, dtype: g.astype(x.dtype))
+
+for _ufunc, _op in [(np.add, add), (np.subtract, subtract), (np.multiply, multiply),
+                    (np.divide, divide), (np.negative, negative), (np.power, power),
+                    (np.exp, exp), (np.log, log), (np.sqrt, sqrt), (np.absolute, abs),
+                    (np.maximum, maximum), (np.minimum, minimum), (np.sin, sin),
+                    (np.cos, cos), (np.tanh, tanh)]:
+    implements(_ufunc)(_op)
+
+
+@implements(np.clip)
+def clip(x: Any, a_min: Any = None, a_max: Any = None) -> Tensor:
+    """Limit ``x`` to ``[a_min, a_max]`` (either bound may be None, not both)."""
+    if a_min is None and a_max is None:
+        raise ValueError("clip: one of a_min and a_max must be given")
+    return _clip(x, -np.inf if a_min is None else a_min, np.inf if a_max is None else a_max)
+
+
+@implements(np.where)
+def where(condition: Any, x: Any, y: Any) -> Tensor:
+    """``x`` where ``condition`` holds, else ``y`` (differentiable in ``x`` and ``y``)."""
+    return where_(condition, x, y)
+
+
+def astype(x: Any, dtype: Any) -> Tensor:
+    """Cast to ``dtype``; the gradient is cast back to the input's dtype."""
+    return _astype(x, dtype=np.dtype(dtype))

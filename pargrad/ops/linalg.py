@@ -1,0 +1,61 @@
+"""Linear algebra: matmul with exactly numpy's semantics, and transpose.
+
+A 1-D operand of matmul is promoted to a matrix (a row on the left, a column on the
+right) and the extra axis is dropped again from its gradient; batch axes that were
+broadcast are summed away by ``Node.apply``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from pargrad.ops.core import defop, implements
+from pargrad.tensor import Tensor
+
+
+def _matmul_lhs(g: Any, ans: Any, a: Any, b: Any) -> Any:
+    if b.ndim == 1:
+        g, b = np.expand_dims(g, -1), np.expand_dims(b, -1)
+    if a.ndim == 1:
+        g = np.expand_dims(g, -2)
+    ga = g @ np.swapaxes(b, -1, -2)
+    return np.squeeze(ga, -2) if a.ndim == 1 else ga
+
+
+def _matmul_rhs(g: Any, ans: Any, a: Any, b: Any) -> Any:
+    if b.ndim == 1:
+        g = np.expand_dims(g, -1)
+    if a.ndim == 1:
+        g, a = np.expand_dims(g, -2), np.expand_dims(a, -2)
+    gb = np.swapaxes(a, -1, -2) @ g
+    return np.squeeze(gb, -1) if b.ndim == 1 else gb
+
+
+# ----- products -----
+matmul = defop("matmul", np.matmul, _matmul_lhs, _matmul_rhs)
+implements(np.matmul)(matmul)
+
+# ----- axes -----
+_transpose = defop("transpose", lambda x, *, axes: np.transpose(x, axes),
+                   lambda g, ans, x, *, axes: np.transpose(g, np.argsort(axes)))
+
+
+@implements(np.transpose)
+def transpose(x: Any, axes: Any = None) -> Tensor:
+    """Permute the axes (reverse them if ``axes`` is None)."""
+    ndim = np.ndim(x.data if isinstance(x, Tensor) else x)
+    perm = tuple(range(ndim))[::-1] if axes is None else tuple(int(a) % ndim for a in axes)
+    if sorted(perm) != list(range(ndim)):
+        raise ValueError(f"transpose: axes {axes!r} are not a permutation of {ndim} axes")
+    return _transpose(x, axes=perm)
+
+
+@implements(np.swapaxes)
+def swapaxes(x: Any, axis1: int, axis2: int) -> Tensor:
+    """Interchange two axes."""
+    ndim = np.ndim(x.data if isinstance(x, Tensor) else x)
+    perm = list(range(ndim))
+    perm[axis1], perm[axis2] = perm[axis2], perm[axis1]
+    return transpose(x, perm)

@@ -1,0 +1,46 @@
+"""Neural-network ops: softmax and log_softmax along one axis, numerically stable."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from pargrad.ops.core import defop
+from pargrad.ops.reductions import _logsumexp
+from pargrad.tensor import Tensor
+
+
+def _softmax(x: np.ndarray, *, axis: int) -> np.ndarray:
+    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+def _log_softmax(x: np.ndarray, *, axis: int) -> np.ndarray:
+    return x - _logsumexp(x, axis=(axis,), keepdims=True)
+
+
+# ----- normalisers -----
+_softmax_op = defop("softmax", _softmax,
+                    lambda g, ans, x, *, axis:
+                        ans * (g - np.sum(g * ans, axis=axis, keepdims=True)))
+_log_softmax_op = defop("log_softmax", _log_softmax,
+                        lambda g, ans, x, *, axis:
+                            g - np.exp(ans) * np.sum(g, axis=axis, keepdims=True))
+
+
+def _axis(x: Any, axis: int, op: str) -> int:
+    ndim = np.ndim(x.data if isinstance(x, Tensor) else x)
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"{op}: axis {axis} is out of bounds for {ndim} dimensions")
+    return axis % ndim
+
+
+def softmax(x: Any, axis: int = -1) -> Tensor:
+    """``exp(x) / sum(exp(x), axis)``, shifted by the maximum so it never overflows."""
+    return _softmax_op(x, axis=_axis(x, axis, "softmax"))  # type: ignore[no-any-return]
+
+
+def log_softmax(x: Any, axis: int = -1) -> Tensor:
+    """``x - logsumexp(x, axis)``: the log of ``softmax`` without its underflow."""
+    return _log_softmax_op(x, axis=_axis(x, axis, "log_softmax"))  # type: ignore[no-any-return]

@@ -1,0 +1,108 @@
+"""Reductions and their gradient rules.
+
+Every public reduction normalises ``axis`` to a sorted tuple of non-negative axes (or
+None), so a rule only has to put the reduced axes back (``_unreduce``) and broadcast.
+Ties in ``max`` / ``min`` share the gradient evenly: each of k tied maxima gets g / k.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from pargrad.ops.core import defop, implements
+from pargrad.tensor import Tensor
+
+Axis = tuple[int, ...] | None
+
+
+def normalize_axis(axis: Any, ndim: int, op: str) -> Axis:
+    """``axis`` as numpy accepts it (int, tuple or None) -> sorted non-negative tuple or None."""
+    if axis is None:
+        return None
+    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+    out = []
+    for a in axes:
+        if not -ndim <= a < ndim:
+            raise ValueError(f"{op}: axis {a} is out of bounds for a tensor of dimension {ndim}")
+        out.append(int(a) % ndim)
+    if len(set(out)) != len(out):
+        raise ValueError(f"{op}: repeated axis in {axis!r}")
+    return tuple(sorted(out))
+
+
+def _unreduce(g: Any, axis: Axis, keepdims: bool) -> Any:
+    """Give a reduced value back the reduced axes (as size 1), so it broadcasts to the input."""
+    return g if axis is None or keepdims else np.expand_dims(g, axis)
+
+
+def _count(shape: tuple[int, ...], axis: Axis) -> int:
+    return math.prod(shape) if axis is None else math.prod(shape[a] for a in axis)
+
+
+def _share_extremum(g: Any, ans: Any, x: Any, *, axis: Axis, keepdims: bool) -> Any:
+    mask = x == _unreduce(ans, axis, keepdims)
+    return _unreduce(g, axis, keepdims) * mask / np.sum(mask, axis=axis, keepdims=True)
+
+
+def _logsumexp(x: np.ndarray, *, axis: Axis, keepdims: bool) -> np.ndarray:
+    shift = np.max(x, axis=axis, keepdims=True, initial=-np.inf)
+    shift = np.where(np.isfinite(shift), shift, 0)
+    with np.errstate(divide="ignore"):  # log(0) = -inf is the right answer for empty sums
+        out = np.log(np.sum(np.exp(x - shift), axis=axis, keepdims=True)) + shift
+    return out if keepdims else np.squeeze(out, axis=axis)
+
+
+# ----- reductions -----
+_sum = defop("sum", lambda x, *, axis, keepdims: np.sum(x, axis=axis, keepdims=keepdims),
+             lambda g, ans, x, *, axis, keepdims:
+                 np.broadcast_to(_unreduce(g, axis, keepdims), x.shape))
+_mean = defop("mean", lambda x, *, axis, keepdims: np.mean(x, axis=axis, keepdims=keepdims),
+              lambda g, ans, x, *, axis, keepdims:
+                  np.broadcast_to(_unreduce(g, axis, keepdims), x.shape)
+                  / max(_count(x.shape, axis), 1))
+_max = defop("max", lambda x, *, axis, keepdims: np.max(x, axis=axis, keepdims=keepdims),
+             _share_extremum)
+_min = defop("min", lambda x, *, axis, keepdims: np.min(x, axis=axis, keepdims=keepdims),
+             _share_extremum)
+_logsumexp_op = defop("logsumexp", _logsumexp,
+                      lambda g, ans, x, *, axis, keepdims:
+                          _unreduce(g, axis, keepdims)
+                          * np.exp(x - _unreduce(ans, axis, keepdims)))
+
+
+def _reduction(op: Any, x: Any, axis: Any, keepdims: bool) -> Tensor:
+    ndim = np.ndim(x.data if isinstance(x, Tensor) else x)
+    result: Tensor = op(x, axis=normalize_axis(axis, ndim, op.name), keepdims=bool(keepdims))
+    return result
+
+
+@implements(np.sum)
+def sum(x: Any, axis: Any = None, keepdims: bool = False) -> Tensor:
+    """Sum over ``axis`` (all axes if None)."""
+    return _reduction(_sum, x, axis, keepdims)
+
+
+@implements(np.mean)
+def mean(x: Any, axis: Any = None, keepdims: bool = False) -> Tensor:
+    """Arithmetic mean over ``axis`` (all axes if None)."""
+    return _reduction(_mean, x, axis, keepdims)
+
+
+@implements(np.max, np.amax)
+def max(x: Any, axis: Any = None, keepdims: bool = False) -> Tensor:
+    """Maximum over ``axis``; tied maxima share the gradient evenly."""
+    return _reduction(_max, x, axis, keepdims)
+
+
+@implements(np.min, np.amin)
+def min(x: Any, axis: Any = None, keepdims: bool = False) -> Tensor:
+    """Minimum over ``axis``; tied minima share the gradient evenly."""
+    return _reduction(_min, x, axis, keepdims)
+
+
+def logsumexp(x: Any, axis: Any = None, keepdims: bool = False) -> Tensor:
+    """``log(sum(exp(x), axis))``, computed without overflow."""
+    return _reduction(_logsumexp_op, x, axis, keepdims)

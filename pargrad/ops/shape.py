@@ -1,0 +1,147 @@
+"""Shape ops: reshape, squeeze, expand_dims, broadcast_to, concatenate, stack, split,
+indexing. Their rules move gradients back into the input's layout; indexing scatters
+with ``np.add.at`` so that repeated indices accumulate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from pargrad.ops.core import defop, implements
+from pargrad.shapes import sum_to
+from pargrad.tensor import Tensor
+
+
+def _data(x: Any) -> Any:
+    return x.data if isinstance(x, Tensor) else np.asarray(x)
+
+
+def _axis(axis: int, ndim: int, op: str) -> int:
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"{op}: axis {axis} is out of bounds for {ndim} dimensions")
+    return axis % ndim
+
+
+# ----- reshaping -----
+_reshape = defop("reshape", lambda x, *, shape: np.reshape(x, shape),
+                 lambda g, ans, x, *, shape: np.reshape(g, x.shape))
+_squeeze = defop("squeeze", lambda x, *, axis: np.squeeze(x, axis),
+                 lambda g, ans, x, *, axis: np.reshape(g, x.shape))
+_expand_dims = defop("expand_dims", lambda x, *, axis: np.expand_dims(x, axis),
+                     lambda g, ans, x, *, axis: np.reshape(g, x.shape))
+_broadcast_to = defop("broadcast_to", lambda x, *, shape: np.broadcast_to(x, shape),
+                      lambda g, ans, x, *, shape: sum_to(g, x.shape))
+
+
+@implements(np.reshape)
+def reshape(x: Any, shape: Any) -> Tensor:
+    """Give the data a new shape (one entry may be -1)."""
+    return _reshape(x, shape=(shape,) if isinstance(shape, (int, np.integer)) else tuple(shape))
+
+
+@implements(np.squeeze)
+def squeeze(x: Any, axis: Any = None) -> Tensor:
+    """Remove axes of length one (all of them if ``axis`` is None)."""
+    return _squeeze(x, axis=axis if axis is None or isinstance(axis, int) else tuple(axis))
+
+
+@implements(np.expand_dims)
+def expand_dims(x: Any, axis: Any) -> Tensor:
+    """Insert axes of length one at ``axis`` (an int or a tuple)."""
+    return _expand_dims(x, axis=axis if isinstance(axis, int) else tuple(axis))
+
+
+@implements(np.broadcast_to)
+def broadcast_to(x: Any, shape: Any) -> Tensor:
+    """Broadcast to ``shape``; the gradient is summed back over the broadcast axes."""
+    return _broadcast_to(x, shape=(shape,) if isinstance(shape, int) else tuple(shape))
+
+
+# ----- joining and splitting -----
+def _slice_along(axis: int, start: int, stop: int) -> tuple[slice, ...]:
+    return (slice(None),) * axis + (slice(start, stop),)
+
+
+def _concatenate_rule(i: int, g: Any, ans: Any, *xs: Any, axis: int) -> Any:
+    start = sum(x.shape[axis] for x in xs[:i])
+    return g[_slice_along(axis, start, start + xs[i].shape[axis])]
+
+
+_concatenate = defop("concatenate", lambda *xs, axis: np.concatenate(xs, axis=axis),
+                     argnum_rule=_concatenate_rule)
+_stack = defop("stack", lambda *xs, axis: np.stack(xs, axis=axis),
+               argnum_rule=lambda i, g, ans, *xs, axis: g[(slice(None),) * axis + (i,)])
+_split = defop("split", lambda x, *, sections, axis: np.split(x, sections, axis=axis),
+               lambda gs, ans, x, *, sections, axis: np.concatenate(gs, axis=axis),
+               multi_output=True)
+
+
+@implements(np.concatenate)
+def concatenate(tensors: Sequence[Any], axis: int = 0) -> Tensor:
+    """Join tensors along an existing axis."""
+    if len(tensors) == 0:
+        raise ValueError("concatenate: need at least one tensor")
+    return _concatenate(*tensors, axis=_axis(axis, np.ndim(_data(tensors[0])), "concatenate"))
+
+
+@implements(np.stack)
+def stack(tensors: Sequence[Any], axis: int = 0) -> Tensor:
+    """Join tensors along a new axis."""
+    if len(tensors) == 0:
+        raise ValueError("stack: need at least one tensor")
+    return _stack(*tensors, axis=_axis(axis, np.ndim(_data(tensors[0])) + 1, "stack"))
+
+
+@implements(np.split)
+def split(x: Any, indices_or_sections: Any, axis: int = 0) -> tuple[Tensor, ...]:
+    """Split into several tensors along ``axis`` (one node with several outputs)."""
+    sections = (indices_or_sections if isinstance(indices_or_sections, (int, np.integer))
+                else tuple(indices_or_sections))
+    return _split(x, sections=sections, axis=_axis(axis, np.ndim(_data(x)), "split"))  # type: ignore[no-any-return]
+
+
+# ----- indexing -----
+def _is_basic(index: tuple[Any, ...]) -> bool:
+    return all(isinstance(i, (int, np.integer, slice)) or i is None or i is Ellipsis
+               for i in index)
+
+
+def _untake_array(g: np.ndarray, index: tuple[Any, ...], shape: tuple[int, ...]) -> np.ndarray:
+    out = np.zeros(shape, dtype=g.dtype)
+    if _is_basic(index):
+        out[index] = g  # a basic index never repeats an element
+    else:
+        np.add.at(out, index, g)
+    return out
+
+
+# untake is getitem's adjoint: it scatters g into zeros, adding at repeated indices.
+_untake = defop("untake", lambda g, *, index, shape: _untake_array(g, index, shape),
+                lambda gg, ans, g, *, index, shape: gg[index])
+_getitem = defop("getitem", lambda x, *, index: x[index],
+                 lambda g, ans, x, *, index:
+                     _untake(g, index=index, shape=x.shape) if isinstance(g, Tensor)
+                     else _untake_array(g, index, x.shape))
+
+
+def _normalize_index(index: Any) -> tuple[Any, ...]:
+    items = index if isinstance(index, tuple) else (index,)
+    out = []
+    for item in items:
+        if isinstance(item, Tensor):
+            item = item.data
+        elif isinstance(item, list):
+            item = np.asarray(item)
+        if isinstance(item, np.ndarray) and item.dtype == bool:
+            out.extend(np.nonzero(item))  # add.at needs integer indices
+        else:
+            out.append(item)
+    return tuple(out)
+
+
+def getitem(x: Any, index: Any) -> Tensor:
+    """``x[index]`` with numpy's basic and advanced indexing."""
+    return _getitem(x, index=_normalize_index(index))

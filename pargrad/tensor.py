@@ -1,0 +1,406 @@
+"""Tensor: a numpy array that can record the operations applied to it.
+
+Operators and methods delegate to ``pargrad.ops``; numpy functions and ufuncs called on
+Tensors (``np.exp(t)``, ``np.sum(t, axis=0)``) dispatch to the same ops through numpy's
+``__array_ufunc__`` / ``__array_function__`` protocols, which is also what lets every
+gradient rule run unchanged on Tensors when a backward records its own graph.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from pargrad.graph import AccumulateGrad, Edge, Node
+
+if TYPE_CHECKING:
+    from pargrad.engine.base import Engine
+
+# Guards the creation of a leaf's AccumulateGrad, so that two threads recording graphs
+# on the same leaf at once share one accumulator instead of racing to create two.
+_accumulator_lock = threading.Lock()
+
+
+def _check_can_require_grad(dtype: np.dtype) -> None:
+    if not np.issubdtype(dtype, np.floating):
+        raise TypeError(
+            f"only floating-point tensors can require gradients, but this tensor has dtype "
+            f"{dtype}; create it with a float dtype, e.g. pargrad.tensor(data, "
+            f"dtype=np.float64, requires_grad=True)"
+        )
+
+
+class Tensor:
+    """A numpy array with an optional gradient and the graph node that produced it.
+
+    Attributes:
+        data: the numpy array (read it, or replace it under ``no_grad`` to update weights).
+        requires_grad: whether gradients flow to this tensor.
+        grad: accumulated gradient of a leaf (a Tensor or None; set to None to reset).
+        grad_fn: the Node that produced this tensor, ``None`` for leaves.
+        output_nr: which output of ``grad_fn`` this tensor is.
+
+    Not thread-safe for concurrent mutation of the same tensor; concurrent reads and
+    graph building from several threads are fine.
+    """
+
+    __slots__ = ("__weakref__", "_accumulator", "_grad", "data", "grad_fn", "output_nr",
+                 "requires_grad")
+
+    data: np.ndarray
+    grad_fn: Node | None
+
+    def __init__(self, data: Any, requires_grad: bool = False, dtype: Any = None) -> None:
+        array = np.array(data.data if isinstance(data, Tensor) else data, dtype=dtype)
+        if requires_grad:
+            _check_can_require_grad(array.dtype)
+        self.data = array
+        self.requires_grad = bool(requires_grad)
+        self.grad_fn = None
+        self.output_nr = 0
+        self._grad: Tensor | None = None
+        self._accumulator: weakref.ref[AccumulateGrad] | None = None
+
+    @classmethod
+    def _make(
+        cls, data: np.ndarray, grad_fn: Node | None = None, output_nr: int = 0
+    ) -> Tensor:
+        """Wrap an array without copying (internal fast path)."""
+        t = object.__new__(cls)
+        t.data = data
+        t.requires_grad = grad_fn is not None
+        t.grad_fn = grad_fn
+        t.output_nr = output_nr
+        t._grad = None
+        t._accumulator = None
+        return t
+
+    # ----- autograd state -----
+
+    @property
+    def is_leaf(self) -> bool:
+        """True for tensors made by the user (no ``grad_fn``)."""
+        return self.grad_fn is None
+
+    @property
+    def grad(self) -> Tensor | None:
+        """The gradient accumulated into this leaf by backward calls, or None."""
+        return self._grad
+
+    @grad.setter
+    def grad(self, value: Tensor | None) -> None:
+        if value is not None:
+            if not isinstance(value, Tensor):
+                raise TypeError(f"grad must be a Tensor or None, got {type(value).__name__}")
+            if value.shape != self.shape:
+                raise ValueError(
+                    f"assigned grad has shape {value.shape}, but the tensor has shape "
+                    f"{self.shape}"
+                )
+        self._grad = value
+
+    def requires_grad_(self, requires_grad: bool = True) -> Tensor:
+        """Set ``requires_grad`` in place on a leaf and return the tensor."""
+        if not self.is_leaf:
+            raise RuntimeError(
+                "requires_grad can only be changed on leaf tensors; use .detach() to get a "
+                "leaf that shares this tensor's data"
+            )
+        if requires_grad:
+            _check_can_require_grad(self.data.dtype)
+        self.requires_grad = bool(requires_grad)
+        return self
+
+    def detach(self) -> Tensor:
+        """A new leaf sharing this tensor's data, cut off from the graph."""
+        return Tensor._make(self.data)
+
+    def _edge(self) -> Edge:
+        """The edge a new node should hold to send this tensor its gradient."""
+        if self.grad_fn is not None:
+            return (self.grad_fn, self.output_nr)
+        if self.requires_grad:
+            return (self._grad_accumulator(), 0)
+        return (None, 0)
+
+    def _grad_accumulator(self) -> AccumulateGrad:
+        # The graph holds the accumulator strongly and the leaf only weakly (as in
+        # PyTorch), so a leaf never keeps a dead graph alive.
+        with _accumulator_lock:
+            acc = self._accumulator() if self._accumulator is not None else None
+            if acc is None:
+                acc = AccumulateGrad(self)
+                self._accumulator = weakref.ref(acc)
+            return acc
+
+    def backward(
+        self,
+        gradient: Any = None,
+        retain_graph: bool | None = None,
+        create_graph: bool = False,
+        *,
+        engine: Engine | None = None,
+    ) -> None:
+        """Accumulate d(self)/d(leaf) into ``.grad`` of every leaf that requires grad.
+
+        Blocks until the backward is done. ``gradient`` is required unless the tensor
+        has one element. See ``pargrad.backward`` for the full contract.
+
+        >>> import pargrad
+        >>> x = pargrad.tensor([1.0, 2.0], requires_grad=True)
+        >>> (x * x).sum().backward()
+        >>> x.grad
+        tensor([2., 4.], dtype=float64)
+        """
+        from pargrad.autograd import backward
+
+        backward(self, gradient, retain_graph, create_graph, engine=engine)
+
+    # ----- array facts -----
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.data.shape
+
+    @property
+    def ndim(self) -> int:
+        return self.data.ndim
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.data.dtype
+
+    @property
+    def size(self) -> int:
+        return self.data.size
+
+    def numpy(self) -> np.ndarray:
+        """The underlying array (shared, not copied; not tracked by autograd)."""
+        return self.data
+
+    def item(self) -> Any:
+        """The value of a one-element tensor as a Python scalar."""
+        return self.data.item()
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __iter__(self) -> Iterator[Tensor]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def __bool__(self) -> bool:
+        return bool(self.data)
+
+    def __float__(self) -> float:
+        return float(self.data)
+
+    def __int__(self) -> int:
+        return int(self.data)
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        if dtype is not None and dtype != self.data.dtype:
+            return self.data.astype(dtype)
+        return self.data.copy() if copy else self.data
+
+    def __repr__(self) -> str:
+        body = np.array2string(self.data, separator=", ", prefix="tensor(")
+        extra = f", dtype={self.data.dtype}"
+        if self.grad_fn is not None:
+            extra += f", grad_fn=<{self.grad_fn.name()}>"
+        elif self.requires_grad:
+            extra += ", requires_grad=True"
+        return f"tensor({body}{extra})"
+
+    __hash__ = object.__hash__
+
+    # ----- numpy interoperability -----
+
+    def __array_ufunc__(self, ufunc: np.ufunc, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        return _ops.dispatch_ufunc(ufunc, method, inputs, kwargs)
+
+    def __array_function__(
+        self, func: Any, types: Sequence[type], args: Sequence[Any], kwargs: dict[str, Any]
+    ) -> Any:
+        return _ops.dispatch_function(func, args, kwargs)
+
+    # ----- operators -----
+
+    def __add__(self, other: Any) -> Tensor:
+        return _ops.add(self, other)
+
+    def __radd__(self, other: Any) -> Tensor:
+        return _ops.add(other, self)
+
+    def __sub__(self, other: Any) -> Tensor:
+        return _ops.subtract(self, other)
+
+    def __rsub__(self, other: Any) -> Tensor:
+        return _ops.subtract(other, self)
+
+    def __mul__(self, other: Any) -> Tensor:
+        return _ops.multiply(self, other)
+
+    def __rmul__(self, other: Any) -> Tensor:
+        return _ops.multiply(other, self)
+
+    def __truediv__(self, other: Any) -> Tensor:
+        return _ops.divide(self, other)
+
+    def __rtruediv__(self, other: Any) -> Tensor:
+        return _ops.divide(other, self)
+
+    def __pow__(self, other: Any) -> Tensor:
+        return _ops.power(self, other)
+
+    def __rpow__(self, other: Any) -> Tensor:
+        return _ops.power(other, self)
+
+    def __matmul__(self, other: Any) -> Tensor:
+        return _ops.matmul(self, other)
+
+    def __rmatmul__(self, other: Any) -> Tensor:
+        return _ops.matmul(other, self)
+
+    def __neg__(self) -> Tensor:
+        return _ops.negative(self)
+
+    def __pos__(self) -> Tensor:
+        return self
+
+    def __abs__(self) -> Tensor:
+        return _ops.abs(self)
+
+    def __getitem__(self, index: Any) -> Tensor:
+        return _ops.getitem(self, index)
+
+    # Comparisons and logical operators give boolean tensors that never require grad.
+    def __lt__(self, other: Any) -> Tensor:
+        return _ops.constant(np.less, self, other)
+
+    def __le__(self, other: Any) -> Tensor:
+        return _ops.constant(np.less_equal, self, other)
+
+    def __gt__(self, other: Any) -> Tensor:
+        return _ops.constant(np.greater, self, other)
+
+    def __ge__(self, other: Any) -> Tensor:
+        return _ops.constant(np.greater_equal, self, other)
+
+    def __eq__(self, other: Any) -> Tensor:  # type: ignore[override]
+        return _ops.constant(np.equal, self, other)
+
+    def __ne__(self, other: Any) -> Tensor:  # type: ignore[override]
+        return _ops.constant(np.not_equal, self, other)
+
+    def __and__(self, other: Any) -> Tensor:
+        return _ops.constant(np.logical_and, self, other)
+
+    def __or__(self, other: Any) -> Tensor:
+        return _ops.constant(np.logical_or, self, other)
+
+    def __invert__(self) -> Tensor:
+        return _ops.constant(np.logical_not, self)
+
+    # ----- methods (numpy's names and keywords) -----
+
+    def exp(self) -> Tensor:
+        return _ops.exp(self)
+
+    def log(self) -> Tensor:
+        return _ops.log(self)
+
+    def sqrt(self) -> Tensor:
+        return _ops.sqrt(self)
+
+    def abs(self) -> Tensor:
+        return _ops.abs(self)
+
+    def tanh(self) -> Tensor:
+        return _ops.tanh(self)
+
+    def sigmoid(self) -> Tensor:
+        return _ops.sigmoid(self)
+
+    def relu(self) -> Tensor:
+        return _ops.relu(self)
+
+    def sin(self) -> Tensor:
+        return _ops.sin(self)
+
+    def cos(self) -> Tensor:
+        return _ops.cos(self)
+
+    def clip(self, a_min: Any = None, a_max: Any = None) -> Tensor:
+        return _ops.clip(self, a_min, a_max)
+
+    def sum(self, axis: Any = None, keepdims: bool = False) -> Tensor:
+        return _ops.sum(self, axis=axis, keepdims=keepdims)
+
+    def mean(self, axis: Any = None, keepdims: bool = False) -> Tensor:
+        return _ops.mean(self, axis=axis, keepdims=keepdims)
+
+    def max(self, axis: Any = None, keepdims: bool = False) -> Tensor:
+        return _ops.max(self, axis=axis, keepdims=keepdims)
+
+    def min(self, axis: Any = None, keepdims: bool = False) -> Tensor:
+        return _ops.min(self, axis=axis, keepdims=keepdims)
+
+    def logsumexp(self, axis: Any = None, keepdims: bool = False) -> Tensor:
+        return _ops.logsumexp(self, axis=axis, keepdims=keepdims)
+
+    def softmax(self, axis: int = -1) -> Tensor:
+        return _ops.softmax(self, axis=axis)
+
+    def log_softmax(self, axis: int = -1) -> Tensor:
+        return _ops.log_softmax(self, axis=axis)
+
+    def matmul(self, other: Any) -> Tensor:
+        return _ops.matmul(self, other)
+
+    def reshape(self, *shape: Any) -> Tensor:
+        return _ops.reshape(self, shape[0] if len(shape) == 1 else shape)
+
+    def transpose(self, *axes: Any) -> Tensor:
+        if len(axes) == 1 and (axes[0] is None or isinstance(axes[0], (tuple, list))):
+            axes = axes[0]
+        return _ops.transpose(self, axes if axes else None)
+
+    @property
+    def T(self) -> Tensor:
+        return _ops.transpose(self)
+
+    def squeeze(self, axis: Any = None) -> Tensor:
+        return _ops.squeeze(self, axis)
+
+    def expand_dims(self, axis: Any) -> Tensor:
+        return _ops.expand_dims(self, axis)
+
+    def broadcast_to(self, shape: Any) -> Tensor:
+        return _ops.broadcast_to(self, shape)
+
+    def split(self, indices_or_sections: Any, axis: int = 0) -> tuple[Tensor, ...]:
+        return _ops.split(self, indices_or_sections, axis)
+
+    def astype(self, dtype: Any) -> Tensor:
+        return _ops.astype(self, dtype)
+
+
+def tensor(data: Any, requires_grad: bool = False, dtype: Any = None) -> Tensor:
+    """Make a leaf Tensor from array-like ``data`` (always copied).
+
+    Python floats become float64 as in numpy. Only floating dtypes may require grad.
+
+    >>> import pargrad
+    >>> pargrad.tensor([1.0, 2.0], requires_grad=True)
+    tensor([1., 2.], dtype=float64, requires_grad=True)
+    """
+    return Tensor(data, requires_grad=requires_grad, dtype=dtype)
+
+
+# Imported last: the ops build Tensors, and Tensor's operators call the ops.
+from pargrad import ops as _ops  # noqa: E402
