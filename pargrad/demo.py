@@ -7,6 +7,7 @@ did not fall or the gradients disagree.
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 import numpy as np
@@ -26,20 +27,24 @@ def make_data(rng: np.random.Generator, n: int = 300) -> tuple[np.ndarray, np.nd
 
 def init_params(rng: np.random.Generator, sizes: list[int]) -> list[Tensor]:
     params = []
-    for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
+    for fan_in, fan_out in itertools.pairwise(sizes):
         w = rng.normal(0, np.sqrt(2 / fan_in), (fan_in, fan_out))
         params += [pargrad.tensor(w, requires_grad=True),
                    pargrad.tensor(np.zeros(fan_out), requires_grad=True)]
     return params
 
 
-def loss_fn(params: list[Tensor], x: np.ndarray, y: np.ndarray) -> Tensor:
-    """Mean cross-entropy of an MLP with tanh hidden layers."""
-    h: Tensor | np.ndarray = x
+def logits_fn(params: list[Tensor], x: np.ndarray) -> Tensor:
+    """The MLP: tanh hidden layers, then a linear layer to one logit per class."""
+    h = pargrad.tensor(x)
     for i in range(0, len(params) - 2, 2):
         h = pargrad.tanh(h @ params[i] + params[i + 1])
-    logits = h @ params[-2] + params[-1]
-    log_probs = pargrad.log_softmax(logits, axis=1)
+    return h @ params[-2] + params[-1]
+
+
+def loss_fn(params: list[Tensor], x: np.ndarray, y: np.ndarray) -> Tensor:
+    """Mean cross-entropy of the MLP's predictions."""
+    log_probs = pargrad.log_softmax(logits_fn(params, x), axis=1)
     return -log_probs[np.arange(len(y)), y].mean()
 
 
@@ -61,7 +66,8 @@ def main() -> int:
             first = loss.item()
         last = loss.item()
         if step % 50 == 0:
-            accuracy = np.mean(np.argmax((_logits(params, x)), axis=1) == y)
+            with pargrad.no_grad():
+                accuracy = np.mean(np.argmax(logits_fn(params, x).numpy(), axis=1) == y)
             print(f"step {step:3d}  loss {last:.4f}  accuracy {accuracy:.2f}")
 
     print("checking the gradients against finite differences...")
@@ -73,14 +79,6 @@ def main() -> int:
         return 1
     print(f"loss fell from {first:.4f} to {last:.4f}")
     return 0
-
-
-def _logits(params: list[Tensor], x: np.ndarray) -> np.ndarray:
-    with pargrad.no_grad():
-        h: Tensor | np.ndarray = x
-        for i in range(0, len(params) - 2, 2):
-            h = pargrad.tanh(h @ params[i] + params[i + 1])
-        return (h @ params[-2] + params[-1]).numpy()
 
 
 if __name__ == "__main__":

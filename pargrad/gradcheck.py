@@ -8,7 +8,7 @@ float32 inputs need tolerances to match.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -132,7 +132,8 @@ def _check_full(fn: Callable[..., Any], leaves: list[Any], outputs: list[Tensor]
         bad = np.abs(analytical - numerical[:, j]) > atol + rtol * np.abs(numerical[:, j])
         if bad.any():
             k = int(np.argmax(bad))
-            where = f"index {np.unravel_index(k, leaf.shape)} for output element {j}"
+            index = tuple(int(n) for n in np.unravel_index(k, leaf.shape))
+            where = f"index {index} for output element {j}"
             raise _fail(i, where, float(analytical[k]), float(numerical[k, j]))
 
 

@@ -158,7 +158,7 @@ class Tensor:
         """
         from pargrad.autograd import backward
 
-        backward(self, gradient, retain_graph, create_graph, engine=engine)
+        backward(self, [gradient], retain_graph, create_graph, engine=engine)
 
     # ----- array facts -----
 
@@ -367,7 +367,7 @@ class Tensor:
 
     def transpose(self, *axes: Any) -> Tensor:
         if len(axes) == 1 and (axes[0] is None or isinstance(axes[0], (tuple, list))):
-            axes = axes[0]
+            return _ops.transpose(self, axes[0])
         return _ops.transpose(self, axes if axes else None)
 
     @property

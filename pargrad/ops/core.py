@@ -35,8 +35,9 @@ class Op:
     """A differentiable primitive: a numpy ``forward`` and its gradient rules.
 
     ``rules[i]`` is the rule for positional argument ``i``. Variadic ops (``concatenate``)
-    give ``argnum_rule(i, g, ans, *args, **params)`` instead. An op with several outputs
-    (``multi_output=True``) gets the tuple of output gradients as ``g``.
+    give ``argnum_rule(i, g, ans, args, **params)`` instead, ``args`` being one tuple.
+    An op with several outputs (``multi_output=True``) gets the tuple of output
+    gradients as ``g``.
     """
 
     __slots__ = ("argnum_rule", "forward", "multi_output", "name", "node_name", "rules")
@@ -66,7 +67,7 @@ class Op:
     def vjp(self, i: int, g: Any, ans: Any, args: tuple[Any, ...], params: dict[str, Any]) -> Any:
         """The gradient for argument ``i``, by its rule."""
         if self.argnum_rule is not None:
-            return self.argnum_rule(i, g, ans, *args, **params)
+            return self.argnum_rule(i, g, ans, args, **params)
         return self.rules[i](g, ans, *args, **params)
 
     def __call__(self, *args: Any, **params: Any) -> Any:

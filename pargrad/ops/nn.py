@@ -38,9 +38,11 @@ def _axis(x: Any, axis: int, op: str) -> int:
 
 def softmax(x: Any, axis: int = -1) -> Tensor:
     """``exp(x) / sum(exp(x), axis)``, shifted by the maximum so it never overflows."""
-    return _softmax_op(x, axis=_axis(x, axis, "softmax"))  # type: ignore[no-any-return]
+    result: Tensor = _softmax_op(x, axis=_axis(x, axis, "softmax"))
+    return result
 
 
 def log_softmax(x: Any, axis: int = -1) -> Tensor:
     """``x - logsumexp(x, axis)``: the log of ``softmax`` without its underflow."""
-    return _log_softmax_op(x, axis=_axis(x, axis, "log_softmax"))  # type: ignore[no-any-return]
+    result: Tensor = _log_softmax_op(x, axis=_axis(x, axis, "log_softmax"))
+    return result

@@ -65,15 +65,12 @@ def _slice_along(axis: int, start: int, stop: int) -> tuple[slice, ...]:
     return (slice(None),) * axis + (slice(start, stop),)
 
 
-def _concatenate_rule(i: int, g: Any, ans: Any, *xs: Any, axis: int) -> Any:
-    start = sum(x.shape[axis] for x in xs[:i])
-    return g[_slice_along(axis, start, start + xs[i].shape[axis])]
-
-
-_concatenate = defop("concatenate", lambda *xs, axis: np.concatenate(xs, axis=axis),
-                     argnum_rule=_concatenate_rule)
+# ``bounds[i]:bounds[i + 1]`` is where input i lies along ``axis`` of the result.
+_concatenate = defop("concatenate", lambda *xs, axis, bounds: np.concatenate(xs, axis=axis),
+                     argnum_rule=lambda i, g, ans, xs, *, axis, bounds:
+                         g[_slice_along(axis, bounds[i], bounds[i + 1])])
 _stack = defop("stack", lambda *xs, axis: np.stack(xs, axis=axis),
-               argnum_rule=lambda i, g, ans, *xs, axis: g[(slice(None),) * axis + (i,)])
+               argnum_rule=lambda i, g, ans, xs, *, axis: g[(slice(None),) * axis + (i,)])
 _split = defop("split", lambda x, *, sections, axis: np.split(x, sections, axis=axis),
                lambda gs, ans, x, *, sections, axis: np.concatenate(gs, axis=axis),
                multi_output=True)
@@ -84,7 +81,10 @@ def concatenate(tensors: Sequence[Any], axis: int = 0) -> Tensor:
     """Join tensors along an existing axis."""
     if len(tensors) == 0:
         raise ValueError("concatenate: need at least one tensor")
-    return _concatenate(*tensors, axis=_axis(axis, np.ndim(_data(tensors[0])), "concatenate"))
+    axis = _axis(axis, np.ndim(_data(tensors[0])), "concatenate")
+    sizes = [np.shape(_data(t))[axis] if np.ndim(_data(t)) > axis else 0 for t in tensors]
+    bounds = tuple(int(b) for b in np.cumsum([0, *sizes]))
+    return _concatenate(*tensors, axis=axis, bounds=bounds)
 
 
 @implements(np.stack)
@@ -100,7 +100,9 @@ def split(x: Any, indices_or_sections: Any, axis: int = 0) -> tuple[Tensor, ...]
     """Split into several tensors along ``axis`` (one node with several outputs)."""
     sections = (indices_or_sections if isinstance(indices_or_sections, (int, np.integer))
                 else tuple(indices_or_sections))
-    return _split(x, sections=sections, axis=_axis(axis, np.ndim(_data(x)), "split"))  # type: ignore[no-any-return]
+    parts: tuple[Tensor, ...] = _split(x, sections=sections, axis=_axis(axis, np.ndim(_data(x)),
+                                                                            "split"))
+    return parts
 
 
 # ----- indexing -----
@@ -129,7 +131,7 @@ _getitem = defop("getitem", lambda x, *, index: x[index],
 
 def _normalize_index(index: Any) -> tuple[Any, ...]:
     items = index if isinstance(index, tuple) else (index,)
-    out = []
+    out: list[Any] = []
     for item in items:
         if isinstance(item, Tensor):
             item = item.data

@@ -1,0 +1,82 @@
+"""Grad mode: context managers, decorators, and thread-locality."""
+
+from __future__ import annotations
+
+import threading
+
+import pargrad
+
+
+def test_no_grad_records_nothing() -> None:
+    x = pargrad.tensor([1.0], requires_grad=True)
+    with pargrad.no_grad():
+        assert not pargrad.is_grad_enabled()
+        y = x * 2
+        with pargrad.enable_grad():
+            z = x * 2
+    assert pargrad.is_grad_enabled()
+    assert y.grad_fn is None and not y.requires_grad
+    assert z.grad_fn is not None
+
+
+def test_decorators() -> None:
+    @pargrad.no_grad()
+    def off() -> bool:
+        return pargrad.is_grad_enabled()
+
+    @pargrad.set_grad_enabled(False)
+    def also_off() -> bool:
+        return pargrad.is_grad_enabled()
+
+    assert pargrad.is_grad_enabled()  # decorating changed nothing
+    assert off() is False and also_off() is False
+    assert pargrad.is_grad_enabled()
+
+
+def test_set_grad_enabled_as_call_and_context() -> None:
+    pargrad.set_grad_enabled(False)
+    try:
+        assert not pargrad.is_grad_enabled()
+    finally:
+        pargrad.set_grad_enabled(True)
+    with pargrad.set_grad_enabled(False):
+        assert not pargrad.is_grad_enabled()
+    assert pargrad.is_grad_enabled()
+
+
+def test_mode_is_restored_after_an_exception() -> None:
+    try:
+        with pargrad.no_grad():
+            raise KeyError
+    except KeyError:
+        pass
+    assert pargrad.is_grad_enabled()
+
+
+def test_grad_mode_is_thread_local() -> None:
+    inside = threading.Event()
+    release = threading.Event()
+    seen: list[bool] = []
+
+    def worker() -> None:
+        with pargrad.no_grad():
+            inside.set()
+            release.wait(10)
+            seen.append(pargrad.is_grad_enabled())
+
+    t = threading.Thread(target=worker)
+    t.start()
+    inside.wait(10)
+    # Another thread is inside no_grad; this thread still records.
+    x = pargrad.tensor(1.0, requires_grad=True)
+    assert pargrad.is_grad_enabled() and (x * 2).grad_fn is not None
+    release.set()
+    t.join(10)
+    assert seen == [False]
+
+    results: list[bool] = []
+    with pargrad.no_grad():
+        t = threading.Thread(target=lambda: results.append(pargrad.is_grad_enabled()))
+        t.start()
+        t.join(10)
+    assert results == [True]  # a new thread starts with grad mode on

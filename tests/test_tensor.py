@@ -1,0 +1,241 @@
+"""Tensor: construction, attributes, operators with scalars and arrays, numpy interop."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pargrad
+from pargrad import Tensor
+
+
+def test_construction_and_attributes() -> None:
+    data = np.arange(6.0).reshape(2, 3)
+    t = pargrad.tensor(data, requires_grad=True)
+    assert isinstance(t, Tensor) and t.is_leaf and t.grad_fn is None and t.grad is None
+    assert (t.shape, t.ndim, t.dtype, t.size) == ((2, 3), 2, np.float64, 6)
+    data[0, 0] = 99.0  # the tensor copied the user's array
+    assert t.data[0, 0] == 0.0
+    assert t.numpy() is t.data
+    assert pargrad.tensor(1.0).dtype == np.float64  # Python floats are float64, as in numpy
+    assert pargrad.tensor([1, 2]).dtype == np.int64
+    assert pargrad.tensor([1, 2], dtype=np.float32).dtype == np.float32
+    assert pargrad.Tensor([1.0]).requires_grad is False
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_float_dtypes_may_require_grad(dtype: type) -> None:
+    x = pargrad.tensor([1.0, 2.0], dtype=dtype, requires_grad=True)
+    (x * x).sum().backward()
+    assert x.grad.dtype == dtype
+    np.testing.assert_array_equal(x.grad.data, np.array([2.0, 4.0], dtype))
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, bool])
+def test_integer_tensors_cannot_require_grad(dtype: type) -> None:
+    with pytest.raises(TypeError, match=r"only floating-point tensors.*dtype"):
+        pargrad.tensor([1, 0], dtype=dtype, requires_grad=True)
+    with pytest.raises(TypeError, match="only floating-point"):
+        pargrad.tensor([1, 0], dtype=dtype).requires_grad_()
+
+
+def test_non_leaf_properties() -> None:
+    x = pargrad.tensor([1.0, 2.0], requires_grad=True)
+    y = x * 2
+    assert y.requires_grad and not y.is_leaf
+    assert y.grad_fn.name() == "MultiplyBackward"
+    assert y.grad_fn.next_functions[0][0] is x._grad_accumulator()
+    assert y.grad_fn.next_functions[1] == (None, 0)
+    assert isinstance(y.grad_fn, pargrad.Node)
+    with pytest.raises(RuntimeError, match="leaf"):
+        y.requires_grad_(False)
+
+
+def test_sequence_numbers_increase() -> None:
+    x = pargrad.tensor(1.0, requires_grad=True)
+    a = x * 2
+    b = a + 1
+    assert b.grad_fn.sequence_nr > a.grad_fn.sequence_nr
+
+
+def test_detach_and_item() -> None:
+    x = pargrad.tensor([3.0], requires_grad=True)
+    d = (x * 2).detach()
+    assert d.is_leaf and not d.requires_grad and d.item() == 6.0
+    assert float(pargrad.tensor(2.5)) == 2.5 and int(pargrad.tensor(3)) == 3
+
+
+def test_repr() -> None:
+    x = pargrad.tensor([1.0, 2.0], requires_grad=True)
+    assert repr(x) == "tensor([1., 2.], dtype=float64, requires_grad=True)"
+    assert repr(x * 2) == "tensor([2., 4.], dtype=float64, grad_fn=<MultiplyBackward>)"
+    assert repr(pargrad.tensor([1, 2], dtype=np.int32)) == "tensor([1, 2], dtype=int32)"
+
+
+@pytest.mark.parametrize(
+    ("expression", "value", "grad"),
+    [
+        (lambda x: 2 * x, 6.0, 2.0),
+        (lambda x: x * 2, 6.0, 2.0),
+        (lambda x: 1 - x, -2.0, -1.0),
+        (lambda x: x - 1, 2.0, 1.0),
+        (lambda x: 1 + x, 4.0, 1.0),
+        (lambda x: x / 3, 1.0, 1 / 3),
+        (lambda x: 6 / x, 2.0, -6 / 9),
+        (lambda x: x ** 2, 9.0, 6.0),
+        (lambda x: 2 ** x, 8.0, 8 * np.log(2)),
+        (lambda x: -x, -3.0, -1.0),
+        (lambda x: +x, 3.0, 1.0),
+        (lambda x: abs(-x), 3.0, 1.0),
+        (lambda x: np.float64(2.0) * x, 6.0, 2.0),
+        (lambda x: np.array(2.0) * x, 6.0, 2.0),
+        (lambda x: x * np.array(2.0), 6.0, 2.0),
+        (lambda x: np.array(1.0) - x, -2.0, -1.0),
+    ],
+)
+def test_operators_mix_with_scalars_and_arrays(expression, value, grad) -> None:  # type: ignore[no-untyped-def]
+    x = pargrad.tensor(3.0, requires_grad=True)
+    y = expression(x)
+    assert isinstance(y, Tensor)
+    assert y.item() == pytest.approx(value)
+    y.backward()
+    assert x.grad.item() == pytest.approx(grad)
+
+
+def test_matmul_operator_with_arrays_on_either_side() -> None:
+    a = np.arange(6.0).reshape(2, 3)
+    x = pargrad.tensor(np.ones(3), requires_grad=True)
+    y = a @ x
+    assert isinstance(y, Tensor)
+    np.testing.assert_array_equal(y.data, a @ np.ones(3))
+    (y.sum() + (x @ a.T).sum()).backward()
+    np.testing.assert_array_equal(x.grad.data, 2 * a.sum(axis=0))
+
+
+def test_float32_model_stays_float32() -> None:
+    w = pargrad.tensor(np.ones((3, 2)), dtype=np.float32, requires_grad=True)
+    x = np.ones((4, 3), np.float32)
+    y = (x @ w * 2.0 + 1).tanh().sum()
+    assert y.dtype == np.float32
+    y.backward()
+    assert w.grad.dtype == np.float32
+
+
+def test_comparisons_give_constant_tensors() -> None:
+    x = pargrad.tensor([1.0, -1.0], requires_grad=True)
+    for result in (x > 0, x >= 0, x < 0, x <= 0, x == 1.0, x != 1.0, (x > 0) & (x < 2), ~(x > 0)):
+        assert isinstance(result, Tensor) and result.dtype == bool
+        assert not result.requires_grad
+    np.testing.assert_array_equal((x > 0).data, [True, False])
+
+
+def test_numpy_functions_dispatch_to_ops() -> None:
+    x = pargrad.tensor([[1.0, 2.0], [3.0, 4.0]], requires_grad=True)
+    y = np.sum(np.exp(x) * np.sin(x), axis=0, keepdims=True)
+    assert isinstance(y, Tensor) and y.shape == (1, 2)
+    y.sum().backward()
+    expected = np.exp(x.data) * (np.sin(x.data) + np.cos(x.data))
+    np.testing.assert_allclose(x.grad.data, expected)
+    assert isinstance(np.concatenate([x, x]), Tensor)
+    assert isinstance(np.transpose(x), Tensor)
+    assert np.asarray(x) is x.data
+
+
+def test_unsupported_numpy_calls_fail_clearly() -> None:
+    x = pargrad.tensor([1.0, 2.0], requires_grad=True)
+    with pytest.raises(TypeError, match=r"do not support numpy\.arctan2"):
+        np.arctan2(x, x)
+    with pytest.raises(TypeError, match=r"do not support numpy\.cumsum"):
+        np.cumsum(x)
+
+
+def test_methods_match_functions() -> None:
+    x = pargrad.tensor(np.arange(1.0, 7.0).reshape(2, 3))
+    pairs = [
+        (x.sum(axis=1), np.sum(x.data, axis=1)),
+        (x.mean(axis=0, keepdims=True), np.mean(x.data, axis=0, keepdims=True)),
+        (x.max(), np.max(x.data)),
+        (x.min(axis=1), np.min(x.data, axis=1)),
+        (x.reshape(3, 2), x.data.reshape(3, 2)),
+        (x.reshape((6,)), x.data.reshape(6)),
+        (x.T, x.data.T),
+        (x.transpose(1, 0), x.data.T),
+        (x.transpose((1, 0)), x.data.T),
+        (x.expand_dims(0), x.data[None]),
+        (x.expand_dims(0).squeeze(0), x.data),
+        (x.broadcast_to((4, 2, 3)), np.broadcast_to(x.data, (4, 2, 3))),
+        (x.clip(2, 5), np.clip(x.data, 2, 5)),
+        (x.log(), np.log(x.data)),
+        (x.sqrt(), np.sqrt(x.data)),
+        (x.exp(), np.exp(x.data)),
+        (x.abs(), np.abs(x.data)),
+        (x.tanh(), np.tanh(x.data)),
+        (x.sin(), np.sin(x.data)),
+        (x.cos(), np.cos(x.data)),
+        (x.relu(), x.data),
+        (x.sigmoid(), 1 / (1 + np.exp(-x.data))),
+        (x.astype(np.float32), x.data.astype(np.float32)),
+        (x.logsumexp(axis=1), np.log(np.exp(x.data).sum(axis=1))),
+        (x.softmax(), np.exp(x.data) / np.exp(x.data).sum(axis=-1, keepdims=True)),
+        (x.log_softmax(axis=0), x.data - np.log(np.exp(x.data).sum(axis=0))),
+        (x.matmul(x.T), x.data @ x.data.T),
+    ]
+    for got, want in pairs:
+        np.testing.assert_allclose(got.data, want, rtol=1e-12)
+        assert got.dtype == np.asarray(want).dtype
+    assert [p.shape for p in x.split(3, axis=1)] == [(2, 1)] * 3
+    assert [row.shape for row in x] == [(3,), (3,)] and len(x) == 2
+
+
+def test_grad_setter_checks() -> None:
+    x = pargrad.tensor([1.0, 2.0], requires_grad=True)
+    x.grad = pargrad.tensor([1.0, 1.0])
+    with pytest.raises(TypeError, match="Tensor or None"):
+        x.grad = np.ones(2)  # type: ignore[assignment]
+    with pytest.raises(ValueError, match="shape"):
+        x.grad = pargrad.tensor([1.0])
+    x.grad = None
+    assert x.grad is None
+
+
+def test_stable_sigmoid_and_softmax() -> None:
+    x = pargrad.tensor([-1000.0, 0.0, 1000.0], requires_grad=True)
+    np.testing.assert_allclose(pargrad.sigmoid(x).data, [0.0, 0.5, 1.0])
+    s = pargrad.softmax(x)
+    assert np.all(np.isfinite(s.data)) and s.data[2] == 1.0
+    ls = pargrad.log_softmax(x)
+    np.testing.assert_allclose(ls.data, [-2000.0, -1000.0, 0.0])
+    assert pargrad.logsumexp(x).item() == 1000.0
+    (pargrad.sigmoid(x).sum() + ls[2]).backward()
+    assert np.all(np.isfinite(x.grad.data))
+
+
+def test_max_ties_share_the_gradient() -> None:
+    x = pargrad.tensor([[1.0, 3.0, 3.0], [2.0, 2.0, 2.0]], requires_grad=True)
+    x.max(axis=1).sum().backward()
+    np.testing.assert_allclose(x.grad.data, [[0, 0.5, 0.5], [1 / 3, 1 / 3, 1 / 3]])
+    y = pargrad.tensor([1.0, 2.0], requires_grad=True)
+    z = pargrad.tensor([1.0, 1.0], requires_grad=True)
+    pargrad.maximum(y, z).sum().backward()
+    np.testing.assert_array_equal(y.grad.data, [0.5, 1.0])
+    np.testing.assert_array_equal(z.grad.data, [0.5, 0.0])
+
+
+def test_repeated_indices_accumulate() -> None:
+    x = pargrad.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    x[[0, 0, 2, 0]].sum().backward()
+    np.testing.assert_array_equal(x.grad.data, [3.0, 0.0, 1.0])
+    m = pargrad.tensor(np.zeros((3, 2)), requires_grad=True)
+    m[np.array([1, 1]), np.array([0, 0])].sum().backward()
+    np.testing.assert_array_equal(m.grad.data, [[0, 0], [2, 0], [0, 0]])
+
+
+def test_power_special_cases() -> None:
+    x = pargrad.tensor([0.0, 2.0], requires_grad=True)
+    (x ** 0).sum().backward()
+    np.testing.assert_array_equal(x.grad.data, [0.0, 0.0])
+    base = pargrad.tensor([0.0, 2.0], requires_grad=True)
+    exponent = pargrad.tensor([2.0, 3.0], requires_grad=True)
+    (base ** exponent).sum().backward()
+    np.testing.assert_allclose(base.grad.data, [0.0, 12.0])
+    np.testing.assert_allclose(exponent.grad.data, [0.0, 8 * np.log(2)])
