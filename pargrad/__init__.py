@@ -28,6 +28,7 @@ from pargrad.ops import (
     broadcast_to,
     clip,
     concatenate,
+    copy,
     cos,
     divide,
     exp,
@@ -67,7 +68,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AccumulateGrad", "BackwardError", "Engine", "Function", "FunctionCtx", "GradcheckError",
     "Node", "SequentialEngine", "Tensor", "abs", "add", "astype", "backward", "broadcast_to",
-    "clip", "concatenate", "cos", "current_engine", "divide", "enable_grad", "exp",
+    "clip", "concatenate", "copy", "cos", "current_engine", "divide", "enable_grad", "exp",
     "expand_dims", "get_default_engine", "gradcheck", "is_grad_enabled", "log", "log_softmax",
     "logsumexp", "matmul", "max", "maximum", "mean", "min", "minimum", "multiply", "negative",
     "no_grad", "power", "relu", "reshape", "set_default_engine", "set_grad_enabled", "sigmoid",

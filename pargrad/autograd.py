@@ -6,6 +6,7 @@ finished the whole graph, so a backward that raises leaves every ``.grad`` as it
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,7 +16,13 @@ from pargrad.engine.base import Engine, current_engine
 from pargrad.engine.buffer import accumulate
 from pargrad.grad_mode import enable_grad
 from pargrad.graph import AccumulateGrad, Grad
+from pargrad.ops import copy
 from pargrad.tensor import Tensor
+
+# Guards every leaf's .grad while a backward commits to it: the read of the old
+# gradient and the write of the sum must not interleave with another commit, or a
+# concurrent backward's contribution would be lost. Taken with no other lock held.
+_commit_lock = threading.Lock()
 
 
 def backward(
@@ -109,16 +116,21 @@ def _root_grad(i: int, root: Tensor, grad: Any, create_graph: bool) -> Grad:
 
 
 def _commit(captured: dict[AccumulateGrad, Grad], create_graph: bool) -> None:
-    """Add each leaf's gathered gradient to its ``.grad`` (never in place)."""
-    for accumulator, grad in captured.items():
-        leaf = accumulator.variable
-        old = leaf.grad
-        if create_graph:
-            with enable_grad():
-                new = grad if isinstance(grad, Tensor) else Tensor._make(np.asarray(grad))
-                leaf._grad = new if old is None else old + new
-        elif old is None:
-            # A copy, so that .grad never shares memory with a gradient someone else holds.
-            leaf._grad = Tensor._make(np.array(grad))
-        else:
-            leaf._grad = Tensor._make(accumulate(old.data, False, grad)[0])
+    """Add each leaf's gathered gradient to its ``.grad``, never in place.
+
+    A new ``.grad`` is a copy, so it never shares memory with a gradient that the
+    caller, another leaf or the graph still holds. With ``create_graph`` the copy and
+    the sum are recorded, so ``.grad`` can be differentiated.
+    """
+    with _commit_lock:
+        for accumulator, grad in captured.items():
+            leaf = accumulator.variable
+            old = leaf.grad
+            if create_graph:
+                with enable_grad():
+                    new = copy(grad)
+                    leaf._grad = new if old is None else old + new
+            elif old is None:
+                leaf._grad = Tensor._make(np.array(grad))
+            else:
+                leaf._grad = Tensor._make(accumulate(old.data, False, grad)[0])

@@ -14,7 +14,8 @@ from typing import Any, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-# Per-thread flag; no lock needed because each thread only touches its own attribute.
+# Per-thread state, so no lock: ``enabled`` (the flag) and ``saved`` (the modes to
+# restore when the enclosing no_grad / enable_grad blocks exit, innermost last).
 _local = threading.local()
 
 
@@ -27,16 +28,24 @@ def _set_enabled(flag: bool) -> None:
     _local.enabled = flag
 
 
+def _saved_modes() -> list[bool]:
+    saved: list[bool] | None = getattr(_local, "saved", None)
+    if saved is None:
+        saved = _local.saved = []
+    return saved
+
+
 class _GradModeContext:
-    """Base for grad-mode switches usable as context managers and as decorators."""
+    """Base for grad-mode switches usable as context managers and as decorators.
+
+    The mode to restore is kept per thread, so one instance may be entered by several
+    threads at once (or re-entered) without mixing up their modes.
+    """
 
     _mode: bool
 
-    def __init__(self) -> None:
-        self._previous: list[bool] = []
-
     def __enter__(self) -> None:
-        self._previous.append(is_grad_enabled())
+        _saved_modes().append(is_grad_enabled())
         _set_enabled(self._mode)
 
     def __exit__(
@@ -45,7 +54,7 @@ class _GradModeContext:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        _set_enabled(self._previous.pop())
+        _set_enabled(_saved_modes().pop())
 
     def __call__(self, func: F) -> F:
         """Use as a decorator: every call of ``func`` runs under this mode."""
@@ -58,7 +67,7 @@ class _GradModeContext:
         return wrapper  # type: ignore[return-value]
 
     def _fresh(self) -> _GradModeContext:
-        return type(self)()
+        return self  # the saved modes live in the thread, so one instance serves all calls
 
 
 class no_grad(_GradModeContext):
@@ -85,13 +94,13 @@ class set_grad_enabled(_GradModeContext):
     """Set grad mode for this thread; as a context manager, restore it on exit.
 
     Like ``torch.set_grad_enabled``: the mode changes as soon as the object is
-    created, so ``pargrad.set_grad_enabled(False)`` works as a plain call too.
+    created, so ``pargrad.set_grad_enabled(False)`` works as a plain call too. An
+    instance belongs to the thread that created it.
     """
 
     def __init__(self, mode: bool) -> None:
-        super().__init__()
         self._mode = bool(mode)
-        self._previous.append(is_grad_enabled())
+        self._previous = is_grad_enabled()
         _set_enabled(self._mode)
 
     def __enter__(self) -> None:
@@ -104,11 +113,11 @@ class set_grad_enabled(_GradModeContext):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        _set_enabled(self._previous.pop())
+        _set_enabled(self._previous)
 
     def __call__(self, func: F) -> F:
         # Used as a decorator, creating this object must not leave the mode changed.
-        _set_enabled(self._previous.pop())
+        _set_enabled(self._previous)
         return super().__call__(func)
 
     def _fresh(self) -> _GradModeContext:

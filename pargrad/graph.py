@@ -153,6 +153,12 @@ class Node:
                 continue
             if isinstance(g, (np.generic, int, float, list, tuple)):
                 g = np.asarray(g)
+            if not hasattr(g, "shape") or not hasattr(g, "dtype"):
+                raise BackwardError(
+                    self.name(),
+                    f"backward returned a {type(g).__name__} for input {i}; expected an "
+                    f"array, a Tensor or None",
+                )
             shape, dtype = meta
             fitted = sum_to(g, shape)
             if fitted is None:

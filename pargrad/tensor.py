@@ -101,6 +101,11 @@ class Tensor:
                     f"assigned grad has shape {value.shape}, but the tensor has shape "
                     f"{self.shape}"
                 )
+            if value.dtype != self.dtype:
+                raise TypeError(
+                    f"assigned grad has dtype {value.dtype}, but the tensor has dtype "
+                    f"{self.dtype}"
+                )
         self._grad = value
 
     def requires_grad_(self, requires_grad: bool = True) -> Tensor:
@@ -278,7 +283,8 @@ class Tensor:
     def __getitem__(self, index: Any) -> Tensor:
         return _ops.getitem(self, index)
 
-    # Comparisons and logical operators give boolean tensors that never require grad.
+    # Comparisons and bitwise operators (on bool or int tensors, as in numpy) give tensors
+    # that never require grad.
     def __lt__(self, other: Any) -> Tensor:
         return _ops.constant(np.less, self, other)
 
@@ -298,13 +304,13 @@ class Tensor:
         return _ops.constant(np.not_equal, self, other)
 
     def __and__(self, other: Any) -> Tensor:
-        return _ops.constant(np.logical_and, self, other)
+        return _ops.constant(np.bitwise_and, self, other)
 
     def __or__(self, other: Any) -> Tensor:
-        return _ops.constant(np.logical_or, self, other)
+        return _ops.constant(np.bitwise_or, self, other)
 
     def __invert__(self) -> Tensor:
-        return _ops.constant(np.logical_not, self)
+        return _ops.constant(np.invert, self)
 
     # ----- methods (numpy's names and keywords) -----
 

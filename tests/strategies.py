@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -43,3 +47,147 @@ def distinct(draw: st.DrawFn, shape: tuple[int, ...], low: float = -2.0,
     n = int(np.prod(shape))
     grid = np.linspace(low, high, max(n, 1) * 2)
     return rng.permutation(grid)[:n].reshape(shape)
+
+
+# ----- random graphs -----
+# A GraphRecipe is a random DAG described as data, so that the same graph can be built
+# again on fresh leaves (for finite differences, or to run it on another engine).
+
+
+class Pair:
+    """A custom Function with two outputs, ``(sin x, x * cos x)``, built lazily to keep
+    this module importable without pargrad's Function machinery at collection time."""
+
+    fn: Any = None
+
+    @classmethod
+    def apply(cls, x: Any) -> Any:
+        if cls.fn is None:
+            import pargrad
+
+            class _Pair(pargrad.Function):
+                @staticmethod
+                def forward(ctx: Any, t: Any) -> tuple[np.ndarray, np.ndarray]:
+                    ctx.save_for_backward(t)
+                    return np.sin(t.data), t.data * np.cos(t.data)
+
+                @staticmethod
+                def backward(ctx: Any, g_sin: Any, g_xcos: Any) -> Any:
+                    (t,) = ctx.saved_tensors
+                    return g_sin * np.cos(t) + g_xcos * (np.cos(t) - t * np.sin(t))
+
+            cls.fn = _Pair
+        return cls.fn.apply(x)
+
+
+UNARY_STEPS = ["tanh", "sin", "sigmoid", "scale", "square"]
+BINARY_STEPS = ["add", "sub", "mul", "matmul", "rowsum_add", "split_col_mul"]
+MULTI_STEPS = ["pair_first", "pair_second", "pair_both"]
+
+
+@dataclass(frozen=True)
+class GraphRecipe:
+    """Leaves, steps over earlier values, and roots with their gradients."""
+
+    n: int
+    leaves: tuple[np.ndarray, ...]
+    requires_grad: tuple[bool, ...]
+    steps: tuple[tuple[Any, ...], ...]
+    roots: tuple[int, ...]
+    root_grads: tuple[np.ndarray, ...]
+
+    def build(self, leaves: Sequence[Any]) -> list[Any]:
+        """Run the steps on ``leaves`` (Tensors) and return the root tensors."""
+        import pargrad
+
+        values = list(leaves)
+        for step in self.steps:
+            kind, i = step[0], step[1]
+            a = values[i]
+            if kind == "tanh":
+                out = pargrad.tanh(a)
+            elif kind == "sin":
+                out = pargrad.sin(a)
+            elif kind == "sigmoid":
+                out = pargrad.sigmoid(a)
+            elif kind == "scale":
+                out = a * step[2] + pargrad.tensor(step[2])  # a constant tensor: no grad
+            elif kind == "square":
+                out = a * a * 0.5
+            elif kind.startswith("pair"):
+                first, second = Pair.apply(a)
+                out = {"pair_first": first, "pair_second": second,
+                       "pair_both": first * second}[kind]
+            else:
+                b = values[step[2]]
+                if kind == "add":
+                    out = a + b
+                elif kind == "sub":
+                    out = a - b
+                elif kind == "mul":
+                    out = a * b
+                elif kind == "matmul":
+                    out = (pargrad.broadcast_to(a, (self.n, self.n))
+                           @ pargrad.broadcast_to(b, (self.n, self.n))) * 0.5
+                elif kind == "rowsum_add":
+                    out = pargrad.broadcast_to(a, (self.n, self.n)).sum(axis=1, keepdims=True) + b
+                else:  # split_col_mul: a node with n outputs, only one of them used
+                    columns = pargrad.split(pargrad.broadcast_to(a, (self.n, self.n)), self.n,
+                                            axis=1)
+                    out = columns[step[3]] * b
+            values.append(out)
+        return [values[r] for r in self.roots]
+
+    def loss(self, leaf_arrays: Sequence[np.ndarray]) -> float:
+        """sum_r <root_grad_r, root_r> in float64, without recording: for finite differences."""
+        import pargrad
+
+        with pargrad.no_grad():
+            roots = self.build([pargrad.tensor(a, dtype=np.float64) for a in leaf_arrays])
+        return float(sum(np.sum(g * r.data) for g, r in zip(self.root_grads, roots)))
+
+
+@st.composite
+def graph_recipes(draw: st.DrawFn, max_steps: int = 12,
+                  dtypes: Sequence[type] = (np.float64,)) -> GraphRecipe:
+    """A random DAG: fan-out, fan-in, diamonds, multi-output nodes with unused outputs,
+    leaves that need no grad, broadcasting, shared leaves and several roots."""
+    n = draw(st.integers(1, 3))
+    leaf_shapes = [(n, n), (n,), (1, n), (n, 1), ()]
+    n_leaves = draw(st.integers(1, 4))
+    leaves, flags = [], []
+    for k in range(n_leaves):
+        shape = draw(st.sampled_from(leaf_shapes))
+        dtype = draw(st.sampled_from(list(dtypes)))
+        leaves.append(values(draw, shape, dtype=dtype, low=-1.5, high=1.5))
+        flags.append(k == 0 or draw(st.booleans()))
+    shapes = [a.shape for a in leaves]
+    needs = list(flags)
+    steps = []
+    for _ in range(draw(st.integers(1, max_steps))):
+        kind = draw(st.sampled_from(UNARY_STEPS + BINARY_STEPS + MULTI_STEPS))
+        # Counted from the newest value, so that shrinking leans to deep graphs.
+        i = len(shapes) - 1 - draw(st.integers(0, len(shapes) - 1))
+        if kind in UNARY_STEPS or kind in MULTI_STEPS:
+            step: tuple[Any, ...] = (kind, i, 0.5 + draw(st.integers(0, 3)) / 2)
+            shape = shapes[i]
+            need = needs[i]
+        else:
+            j = draw(st.integers(0, len(shapes) - 1))
+            if kind == "split_col_mul":
+                step = (kind, i, j, draw(st.integers(0, n - 1)))
+                shape = np.broadcast_shapes((n, 1), shapes[j])
+            elif kind in ("matmul",):
+                step, shape = (kind, i, j), (n, n)
+            elif kind == "rowsum_add":
+                step, shape = (kind, i, j), np.broadcast_shapes((n, 1), shapes[j])
+            else:
+                step, shape = (kind, i, j), np.broadcast_shapes(shapes[i], shapes[j])
+            need = needs[i] or needs[j]
+        steps.append(step)
+        shapes.append(shape)
+        needs.append(need)
+    candidates = [k for k in range(n_leaves, len(shapes)) if needs[k]] or [0]
+    roots = draw(st.lists(st.sampled_from(candidates), min_size=1, max_size=3))
+    root_grads = tuple(values(draw, shapes[r], dtype=np.float64) for r in roots)
+    return GraphRecipe(n, tuple(leaves), tuple(flags), tuple(steps), tuple(roots), root_grads)

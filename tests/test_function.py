@@ -183,3 +183,19 @@ def test_gradcheck_of_a_custom_function() -> None:
     x = pargrad.tensor([0.5, -1.0], requires_grad=True)
     y = pargrad.tensor([2.0, 3.0], requires_grad=True)
     assert pargrad.gradcheck(lambda a, b: MulAdd.apply(a, b, 1.0), [x, y])
+
+
+def test_a_gradient_that_is_not_an_array(engine: pargrad.Engine) -> None:
+    class Strange(pargrad.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Tensor) -> np.ndarray:
+            return x.data * 1.0
+
+        @staticmethod
+        def backward(ctx: Any, g: Tensor) -> str:
+            return "oops"
+
+    x = pargrad.tensor(1.0, requires_grad=True)
+    with pytest.raises(pargrad.BackwardError, match=r"StrangeBackward.*a str for input 0"):
+        Strange.apply(x).backward()
+    assert x.grad is None

@@ -80,3 +80,22 @@ def test_grad_mode_is_thread_local() -> None:
         t.start()
         t.join(10)
     assert results == [True]  # a new thread starts with grad mode on
+
+
+def test_one_instance_shared_by_threads() -> None:
+    shared = pargrad.no_grad()
+    barrier = threading.Barrier(4)
+    results: list[bool] = []
+
+    def worker() -> None:
+        with shared:
+            barrier.wait(10)
+            results.append(pargrad.is_grad_enabled())
+        results.append(pargrad.is_grad_enabled())
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert sorted(results) == [False] * 4 + [True] * 4

@@ -75,3 +75,14 @@ def test_second_derivative_through_matmul_softmax_and_reductions(
     eps = 1e-6
     numeric = (first_grad(w.data + eps * v) - first_grad(w.data - eps * v)) / (2 * eps)
     np.testing.assert_allclose(w.grad.data, numeric, rtol=1e-5, atol=1e-7)
+
+
+def test_create_graph_grads_do_not_alias(engine: pargrad.Engine) -> None:
+    x = pargrad.tensor([1.0, 2.0], requires_grad=True)
+    y = pargrad.tensor([3.0, 4.0], requires_grad=True)
+    g = np.array([1.0, 1.0])
+    (x + y).backward(g, create_graph=True)
+    assert x.grad is not y.grad
+    assert not np.shares_memory(x.grad.data, y.grad.data)
+    assert not np.shares_memory(x.grad.data, g)
+    assert x.grad.requires_grad is False  # the gradient does not depend on x or y

@@ -239,3 +239,39 @@ def test_power_special_cases() -> None:
     (base ** exponent).sum().backward()
     np.testing.assert_allclose(base.grad.data, [0.0, 12.0])
     np.testing.assert_allclose(exponent.grad.data, [0.0, 8 * np.log(2)])
+
+
+def test_clip_with_crossed_bounds_sends_the_gradient_to_a_max() -> None:
+    # numpy returns a_max everywhere when a_min > a_max.
+    x = pargrad.tensor([0.0, 1.5, 3.0], requires_grad=True)
+    lo = pargrad.tensor(2.0, requires_grad=True)
+    hi = pargrad.tensor(1.0, requires_grad=True)
+    out = pargrad.clip(x, lo, hi)
+    np.testing.assert_array_equal(out.data, [1.0, 1.0, 1.0])
+    out.sum().backward()
+    assert (lo.grad.item(), hi.grad.item()) == (0.0, 3.0)
+    np.testing.assert_array_equal(x.grad.data, [0.0, 0.0, 0.0])
+
+
+def test_axes_and_shapes_accept_numpy_integers() -> None:
+    x = pargrad.tensor(np.ones((2, 1, 3)), requires_grad=True)
+    assert x.squeeze(np.int64(1)).shape == (2, 3)
+    assert x.expand_dims(np.int32(0)).shape == (1, 2, 1, 3)
+    assert x.reshape(np.int64(6)).shape == (6,)
+    assert x.broadcast_to((np.int64(4), 2, 1, 3)).shape == (4, 2, 1, 3)
+    assert pargrad.concatenate([x, x], axis=None).shape == (12,)
+    with pytest.raises(ValueError, match="swapaxes: axis 3 is out of bounds"):
+        pargrad.swapaxes(x, 0, 3)
+
+
+def test_bitwise_operators_follow_numpy() -> None:
+    a = pargrad.tensor([6, 3])
+    np.testing.assert_array_equal((a & 5).data, [4, 1])
+    np.testing.assert_array_equal((a | 1).data, [7, 3])
+    np.testing.assert_array_equal((~a).data, [-7, -4])
+
+
+def test_grad_setter_checks_dtype() -> None:
+    x = pargrad.tensor([1.0, 2.0], requires_grad=True)
+    with pytest.raises(TypeError, match="dtype float32"):
+        x.grad = pargrad.tensor([1.0, 1.0], dtype=np.float32)

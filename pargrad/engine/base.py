@@ -41,7 +41,9 @@ class Engine(ABC):
         """
 
 
-# The process-wide default. Rebinding a module global is atomic even without the GIL.
+# Guards _default_engine, so that creating the default lazily cannot overwrite a
+# concurrent set_default_engine.
+_default_lock = threading.Lock()
 _default_engine: Engine | None = None
 # Per-thread stack of engines chosen with use_engine; each thread touches only its own.
 _local = threading.local()
@@ -50,11 +52,12 @@ _local = threading.local()
 def get_default_engine() -> Engine:
     """The process-wide default engine (a SequentialEngine unless changed)."""
     global _default_engine
-    if _default_engine is None:
-        from pargrad.engine.sequential import SequentialEngine
+    with _default_lock:
+        if _default_engine is None:
+            from pargrad.engine.sequential import SequentialEngine
 
-        _default_engine = SequentialEngine()
-    return _default_engine
+            _default_engine = SequentialEngine()
+        return _default_engine
 
 
 def set_default_engine(engine: Engine) -> None:
@@ -62,7 +65,8 @@ def set_default_engine(engine: Engine) -> None:
     global _default_engine
     if not isinstance(engine, Engine):
         raise TypeError(f"expected a pargrad Engine, got {type(engine).__name__}")
-    _default_engine = engine
+    with _default_lock:
+        _default_engine = engine
 
 
 @contextlib.contextmanager

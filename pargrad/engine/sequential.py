@@ -55,15 +55,14 @@ class SequentialEngine(Engine):
                 buffer = buffers[node] = InputBuffer(node.num_outputs)
             buffer.accumulate(output_nr, grad)
 
-        for (node, output_nr), grad in zip(roots, grads):
-            if node is not None:
-                deliver(node, output_nr, grad)
-        ready = [(-node.sequence_nr, node) for node in dict.fromkeys(root_nodes)
-                 if dependencies.is_ready(node)]
-        heapq.heapify(ready)
-
         captured: dict[AccumulateGrad, Grad] = {}
         with set_grad_enabled(create_graph):
+            for (node, output_nr), grad in zip(roots, grads):
+                if node is not None:
+                    deliver(node, output_nr, grad)
+            ready = [(-node.sequence_nr, node) for node in dict.fromkeys(root_nodes)
+                     if dependencies.is_ready(node)]
+            heapq.heapify(ready)
             while ready:
                 _, node = heapq.heappop(ready)
                 inputs = buffers.pop(node).take()

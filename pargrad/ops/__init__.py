@@ -6,6 +6,7 @@ from pargrad.ops.elementwise import (
     add,
     astype,
     clip,
+    copy,
     cos,
     divide,
     exp,
@@ -38,7 +39,7 @@ from pargrad.ops.shape import (
 )
 
 __all__ = [
-    "Op", "abs", "add", "astype", "broadcast_to", "clip", "concatenate", "constant", "cos",
+    "Op", "abs", "add", "astype", "broadcast_to", "clip", "concatenate", "constant", "copy", "cos",
     "defop", "dispatch_function", "dispatch_ufunc", "divide", "exp", "expand_dims", "getitem",
     "log", "log_softmax", "logsumexp", "matmul", "max", "maximum", "mean", "min", "minimum",
     "multiply", "negative", "power", "relu", "reshape", "sigmoid", "sin", "softmax", "split",

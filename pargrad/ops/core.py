@@ -178,10 +178,11 @@ def defop(name: str, forward: Callable[..., Any], *rules: Rule, **options: Any) 
 UFUNC_OPS: dict[np.ufunc, Callable[..., Any]] = {}
 FUNCTION_OPS: dict[Callable[..., Any], Callable[..., Any]] = {}
 
-# Ufuncs whose result never carries a gradient (comparisons, logic, rounding, sign).
+# Ufuncs whose result never carries a gradient (comparisons, logic, bits, rounding, sign).
 CONSTANT_UFUNCS = frozenset({
     np.less, np.less_equal, np.greater, np.greater_equal, np.equal, np.not_equal,
     np.logical_and, np.logical_or, np.logical_not, np.logical_xor,
+    np.bitwise_and, np.bitwise_or, np.bitwise_xor, np.invert,
     np.isfinite, np.isinf, np.isnan, np.sign, np.floor, np.ceil, np.rint, np.trunc,
 })
 

@@ -57,11 +57,12 @@ maximum = defop("maximum", np.maximum,
 minimum = defop("minimum", np.minimum,
                 lambda g, ans, x, y: np.where(x == y, g / 2, g * (x < y)),
                 lambda g, ans, x, y: np.where(x == y, g / 2, g * (y < x)))
-# The gradient goes to x where a_min <= x <= a_max, else to the bound that was used.
+# clip is min(max(x, lo), hi): the gradient goes to x where lo <= x <= hi, else to the
+# bound that was used (hi wherever lo > hi, as numpy then returns hi).
 _clip = defop("clip", np.clip,
               lambda g, ans, x, lo, hi: g * np.logical_and(x >= lo, x <= hi),
-              lambda g, ans, x, lo, hi: g * (x < lo),
-              lambda g, ans, x, lo, hi: g * (x > hi))
+              lambda g, ans, x, lo, hi: g * np.logical_and(x < lo, lo <= hi),
+              lambda g, ans, x, lo, hi: g * np.logical_or(x > hi, lo > hi))
 where_ = defop("where", np.where,
                nondifferentiable,
                lambda g, ans, c, x, y: np.where(c, g, 0),
@@ -75,10 +76,12 @@ tanh = defop("tanh", np.tanh, lambda g, ans, x: g * (1 - ans * ans))
 sigmoid = defop("sigmoid", lambda x: 0.5 * (1 + np.tanh(0.5 * x)),
                 lambda g, ans, x: g * ans * (1 - ans))
 
-# ----- dtype -----
+# ----- copies and dtype -----
+copy = defop("copy", lambda x: np.array(x, copy=True), lambda g, ans, x: g)
 _astype = defop("astype", lambda x, *, dtype: x.astype(dtype),
                 lambda g, ans, x, *, dtype: g.astype(x.dtype))
 
+implements(np.copy)(copy)
 for _ufunc, _op in [(np.add, add), (np.subtract, subtract), (np.multiply, multiply),
                     (np.divide, divide), (np.negative, negative), (np.power, power),
                     (np.exp, exp), (np.log, log), (np.sqrt, sqrt), (np.absolute, abs),

@@ -56,6 +56,9 @@ def transpose(x: Any, axes: Any = None) -> Tensor:
 def swapaxes(x: Any, axis1: int, axis2: int) -> Tensor:
     """Interchange two axes."""
     ndim = np.ndim(x.data if isinstance(x, Tensor) else x)
+    for axis in (axis1, axis2):
+        if not -ndim <= axis < ndim:
+            raise ValueError(f"swapaxes: axis {axis} is out of bounds for {ndim} dimensions")
     perm = list(range(ndim))
     perm[axis1], perm[axis2] = perm[axis2], perm[axis1]
     return transpose(x, perm)

@@ -19,10 +19,12 @@ def _data(x: Any) -> Any:
     return x.data if isinstance(x, Tensor) else np.asarray(x)
 
 
-def _axis(axis: int, ndim: int, op: str) -> int:
+def _axis(axis: Any, ndim: int, op: str) -> int:
+    if not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"{op}: axis must be an integer, got {axis!r}")
     if not -ndim <= axis < ndim:
         raise ValueError(f"{op}: axis {axis} is out of bounds for {ndim} dimensions")
-    return axis % ndim
+    return int(axis) % ndim
 
 
 # ----- reshaping -----
@@ -36,28 +38,35 @@ _broadcast_to = defop("broadcast_to", lambda x, *, shape: np.broadcast_to(x, sha
                       lambda g, ans, x, *, shape: sum_to(g, x.shape))
 
 
+def _ints(value: Any) -> tuple[int, ...]:
+    """An int or a sequence of ints (numpy integers too) as a tuple of Python ints."""
+    if isinstance(value, (int, np.integer)):
+        return (int(value),)
+    return tuple(int(v) for v in value)
+
+
 @implements(np.reshape)
 def reshape(x: Any, shape: Any) -> Tensor:
     """Give the data a new shape (one entry may be -1)."""
-    return _reshape(x, shape=(shape,) if isinstance(shape, (int, np.integer)) else tuple(shape))
+    return _reshape(x, shape=_ints(shape))
 
 
 @implements(np.squeeze)
 def squeeze(x: Any, axis: Any = None) -> Tensor:
     """Remove axes of length one (all of them if ``axis`` is None)."""
-    return _squeeze(x, axis=axis if axis is None or isinstance(axis, int) else tuple(axis))
+    return _squeeze(x, axis=None if axis is None else _ints(axis))
 
 
 @implements(np.expand_dims)
 def expand_dims(x: Any, axis: Any) -> Tensor:
     """Insert axes of length one at ``axis`` (an int or a tuple)."""
-    return _expand_dims(x, axis=axis if isinstance(axis, int) else tuple(axis))
+    return _expand_dims(x, axis=_ints(axis))
 
 
 @implements(np.broadcast_to)
 def broadcast_to(x: Any, shape: Any) -> Tensor:
     """Broadcast to ``shape``; the gradient is summed back over the broadcast axes."""
-    return _broadcast_to(x, shape=(shape,) if isinstance(shape, int) else tuple(shape))
+    return _broadcast_to(x, shape=_ints(shape))
 
 
 # ----- joining and splitting -----
@@ -77,10 +86,12 @@ _split = defop("split", lambda x, *, sections, axis: np.split(x, sections, axis=
 
 
 @implements(np.concatenate)
-def concatenate(tensors: Sequence[Any], axis: int = 0) -> Tensor:
-    """Join tensors along an existing axis."""
+def concatenate(tensors: Sequence[Any], axis: int | None = 0) -> Tensor:
+    """Join tensors along an existing axis (flattened first if ``axis`` is None)."""
     if len(tensors) == 0:
         raise ValueError("concatenate: need at least one tensor")
+    if axis is None:
+        return concatenate([reshape(t, -1) for t in tensors], axis=0)
     axis = _axis(axis, np.ndim(_data(tensors[0])), "concatenate")
     sizes = [np.shape(_data(t))[axis] if np.ndim(_data(t)) > axis else 0 for t in tensors]
     bounds = tuple(int(b) for b in np.cumsum([0, *sizes]))
