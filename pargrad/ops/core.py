@@ -31,6 +31,13 @@ def nondifferentiable(g: Grad, ans: Any, *args: Any, **params: Any) -> None:
     return None
 
 
+# ----- numpy dispatch -----
+# Filled by the op modules: which op or function serves a numpy ufunc / function when it
+# is called with Tensors.
+UFUNC_OPS: dict[np.ufunc, Callable[..., Any]] = {}
+FUNCTION_OPS: dict[Callable[..., Any], Callable[..., Any]] = {}
+
+
 class Op:
     """A differentiable primitive: a numpy ``forward`` and its gradient rules.
 
@@ -168,15 +175,15 @@ class OpNode(Node):
 
 
 def defop(name: str, forward: Callable[..., Any], *rules: Rule, **options: Any) -> Op:
-    """Define an op from its numpy forward and one gradient rule per positional argument."""
-    return Op(name, forward, rules, **options)
+    """Define an op from its numpy forward and one gradient rule per positional argument.
 
+    An op whose forward is a numpy ufunc also serves that ufunc called on Tensors.
+    """
+    op = Op(name, forward, rules, **options)
+    if isinstance(forward, np.ufunc):
+        UFUNC_OPS[forward] = op
+    return op
 
-# ----- numpy dispatch -----
-# Filled by the op modules: which op or function serves a numpy ufunc / function when it
-# is called with Tensors.
-UFUNC_OPS: dict[np.ufunc, Callable[..., Any]] = {}
-FUNCTION_OPS: dict[Callable[..., Any], Callable[..., Any]] = {}
 
 # Ufuncs whose result never carries a gradient (comparisons, logic, bits, rounding, sign).
 CONSTANT_UFUNCS = frozenset({

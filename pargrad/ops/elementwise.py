@@ -82,12 +82,6 @@ _astype = defop("astype", lambda x, *, dtype: x.astype(dtype),
                 lambda g, ans, x, *, dtype: g.astype(x.dtype))
 
 implements(np.copy)(copy)
-for _ufunc, _op in [(np.add, add), (np.subtract, subtract), (np.multiply, multiply),
-                    (np.divide, divide), (np.negative, negative), (np.power, power),
-                    (np.exp, exp), (np.log, log), (np.sqrt, sqrt), (np.absolute, abs),
-                    (np.maximum, maximum), (np.minimum, minimum), (np.sin, sin),
-                    (np.cos, cos), (np.tanh, tanh)]:
-    implements(_ufunc)(_op)
 
 
 @implements(np.clip)

@@ -35,7 +35,6 @@ def _matmul_rhs(g: Any, ans: Any, a: Any, b: Any) -> Any:
 
 # ----- products -----
 matmul = defop("matmul", np.matmul, _matmul_lhs, _matmul_rhs)
-implements(np.matmul)(matmul)
 
 # ----- axes -----
 _transpose = defop("transpose", lambda x, *, axes: np.transpose(x, axes),
