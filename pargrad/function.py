@@ -41,19 +41,31 @@ class FunctionCtx:
     def __init__(self, needs_input_grad: tuple[bool, ...]) -> None:
         self.needs_input_grad = needs_input_grad
         self._saved: tuple[Any, ...] | None = ()
+        self._saved_arrays: tuple[Any, ...] = ()
 
     def save_for_backward(self, *tensors: Any) -> None:
         """Keep tensors (or arrays) for backward; read them back with ``saved_tensors``."""
         self._saved = tensors
+        self._saved_arrays = tuple(t.data if isinstance(t, Tensor) else None for t in tensors)
 
     @property
     def saved_tensors(self) -> tuple[Any, ...]:
-        """What ``save_for_backward`` kept."""
+        """What ``save_for_backward`` kept.
+
+        Raises RuntimeError if they were freed by a backward without ``retain_graph``,
+        or if a saved tensor was given new ``.data`` since it was saved.
+        """
         if self._saved is None:
             raise RuntimeError(
                 "saved tensors were freed after the first backward; pass retain_graph=True "
                 "to backward through this graph more than once"
             )
+        for i, (t, a) in enumerate(zip(self._saved, self._saved_arrays)):
+            if isinstance(t, Tensor) and t.data is not a:
+                raise RuntimeError(
+                    f"saved tensor {i} was given new .data after it was saved; update "
+                    f"tensors only after the backward that needs them"
+                )
         return self._saved
 
 
@@ -77,6 +89,12 @@ class Function:
     @classmethod
     def apply(cls, *args: Any, **kwargs: Any) -> Any:
         """Run ``forward`` and, if any argument requires grad, record a node for ``backward``."""
+        for key, value in kwargs.items():
+            if isinstance(value, Tensor) and value.requires_grad:
+                raise TypeError(
+                    f"{cls.__name__}.apply: Tensor {key}= requires grad but keyword "
+                    f"arguments get no gradient; pass it positionally"
+                )
         needs = tuple(isinstance(a, Tensor) and a.requires_grad for a in args)
         ctx = FunctionCtx(needs)
         with no_grad():
@@ -123,6 +141,6 @@ class FunctionNode(Node):
     def backward(self, grads: tuple[Grad, ...]) -> list[Grad | None]:
         wrapped = [g if isinstance(g, Tensor) else Tensor._make(np.asarray(g)) for g in grads]
         result = self.function.backward(self.ctx, *wrapped)
-        results = result if isinstance(result, tuple) else (result,)
+        results = tuple(result) if isinstance(result, (tuple, list)) else (result,)
         keep_tensors = is_grad_enabled()
         return [r.data if isinstance(r, Tensor) and not keep_tensors else r for r in results]

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pargrad.grad_mode import is_grad_enabled
 from pargrad.graph import AccumulateGrad, Edge, Node
 
 if TYPE_CHECKING:
@@ -48,8 +49,8 @@ class Tensor:
     graph building from several threads are fine.
     """
 
-    __slots__ = ("__weakref__", "_accumulator", "_grad", "data", "grad_fn", "output_nr",
-                 "requires_grad")
+    __slots__ = ("__weakref__", "_accumulator", "_grad", "_requires_grad", "data", "grad_fn",
+                 "output_nr")
 
     data: np.ndarray
     grad_fn: Node | None
@@ -59,7 +60,7 @@ class Tensor:
         if requires_grad:
             _check_can_require_grad(array.dtype)
         self.data = array
-        self.requires_grad = bool(requires_grad)
+        self._requires_grad = bool(requires_grad)
         self.grad_fn = None
         self.output_nr = 0
         self._grad: Tensor | None = None
@@ -72,7 +73,7 @@ class Tensor:
         """Wrap an array without copying (internal fast path)."""
         t = object.__new__(cls)
         t.data = data
-        t.requires_grad = grad_fn is not None
+        t._requires_grad = grad_fn is not None
         t.grad_fn = grad_fn
         t.output_nr = output_nr
         t._grad = None
@@ -80,6 +81,15 @@ class Tensor:
         return t
 
     # ----- autograd state -----
+
+    @property
+    def requires_grad(self) -> bool:
+        """Whether gradients flow to this tensor; settable on float leaves only."""
+        return self._requires_grad
+
+    @requires_grad.setter
+    def requires_grad(self, flag: bool) -> None:
+        self.requires_grad_(flag)
 
     @property
     def is_leaf(self) -> bool:
@@ -111,13 +121,15 @@ class Tensor:
     def requires_grad_(self, requires_grad: bool = True) -> Tensor:
         """Set ``requires_grad`` in place on a leaf and return the tensor."""
         if not self.is_leaf:
+            if bool(requires_grad) == self._requires_grad:
+                return self
             raise RuntimeError(
                 "requires_grad can only be changed on leaf tensors; use .detach() to get a "
                 "leaf that shares this tensor's data"
             )
         if requires_grad:
             _check_can_require_grad(self.data.dtype)
-        self.requires_grad = bool(requires_grad)
+        self._requires_grad = bool(requires_grad)
         return self
 
     def detach(self) -> Tensor:
@@ -128,7 +140,7 @@ class Tensor:
         """The edge a new node should hold to send this tensor its gradient."""
         if self.grad_fn is not None:
             return (self.grad_fn, self.output_nr)
-        if self.requires_grad:
+        if self._requires_grad:
             return (self._grad_accumulator(), 0)
         return (None, 0)
 
@@ -264,6 +276,46 @@ class Tensor:
 
     def __rpow__(self, other: Any) -> Tensor:
         return _ops.power(other, self)
+
+    # In-place operators (``w -= lr * g``). With no graph to record they give the tensor
+    # a new array (a graph that saved the old one keeps it intact); where a graph is
+    # being recorded, a non-leaf is rebound to an out-of-place result, and a leaf that
+    # requires grad refuses, as in PyTorch.
+    def __iadd__(self, other: Any) -> Tensor:
+        return self._inplace(np.add, _ops.add, other)
+
+    def __isub__(self, other: Any) -> Tensor:
+        return self._inplace(np.subtract, _ops.subtract, other)
+
+    def __imul__(self, other: Any) -> Tensor:
+        return self._inplace(np.multiply, _ops.multiply, other)
+
+    def __itruediv__(self, other: Any) -> Tensor:
+        return self._inplace(np.divide, _ops.divide, other)
+
+    def _inplace(self, ufunc: np.ufunc, op: Any, other: Any) -> Tensor:
+        other_needs_grad = isinstance(other, Tensor) and other.requires_grad
+        if is_grad_enabled() and (self._requires_grad or other_needs_grad):
+            if self.is_leaf and self._requires_grad:
+                raise RuntimeError(
+                    f"{ufunc.__name__}: a leaf tensor that requires grad cannot be changed "
+                    f"in place while grad mode is on; update it under pargrad.no_grad()"
+                )
+            result: Tensor = op(self, other)
+            return result
+        value = ufunc(self.data, other.data if isinstance(other, Tensor) else other)
+        if np.shape(value) != self.shape:
+            raise ValueError(
+                f"{ufunc.__name__}: cannot update a tensor of shape {self.shape} in place "
+                f"with a result of shape {np.shape(value)}"
+            )
+        if not np.can_cast(value.dtype, self.dtype, "same_kind"):
+            raise TypeError(
+                f"{ufunc.__name__}: cannot update a {self.dtype} tensor in place with a "
+                f"{value.dtype} result"
+            )
+        self.data = np.asarray(value, dtype=self.dtype)
+        return self
 
     def __matmul__(self, other: Any) -> Tensor:
         return _ops.matmul(self, other)

@@ -199,3 +199,44 @@ def test_a_gradient_that_is_not_an_array(engine: pargrad.Engine) -> None:
     with pytest.raises(pargrad.BackwardError, match=r"StrangeBackward.*a str for input 0"):
         Strange.apply(x).backward()
     assert x.grad is None
+
+
+def test_keyword_tensors_that_need_grad_are_refused() -> None:
+    class Scale(pargrad.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Tensor, *, factor: Any) -> np.ndarray:
+            return x.data * np.asarray(factor)
+
+        @staticmethod
+        def backward(ctx: Any, g: Tensor) -> Tensor:
+            return g
+
+    x = pargrad.tensor(1.0, requires_grad=True)
+    assert Scale.apply(x, factor=pargrad.tensor(2.0)).item() == 2.0
+    with pytest.raises(TypeError, match="factor= requires grad"):
+        Scale.apply(x, factor=pargrad.tensor(2.0, requires_grad=True))
+
+
+def test_backward_may_return_a_list(engine: pargrad.Engine) -> None:
+    class Both(pargrad.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Tensor, y: Tensor) -> np.ndarray:
+            return x.data + y.data
+
+        @staticmethod
+        def backward(ctx: Any, g: Tensor) -> list[Tensor]:
+            return [g, g * 2]
+
+    x, y = pargrad.tensor(1.0, requires_grad=True), pargrad.tensor(1.0, requires_grad=True)
+    Both.apply(x, y).backward()
+    assert (x.grad.item(), y.grad.item()) == (1.0, 2.0)
+
+
+def test_saved_tensor_given_new_data_is_refused(engine: pargrad.Engine) -> None:
+    x = pargrad.tensor(2.0, requires_grad=True)
+    out = MulAdd.apply(x, pargrad.tensor(3.0), 0.0)
+    with pargrad.no_grad():
+        x.data = x.data + 1
+    with pytest.raises(pargrad.BackwardError, match=r"saved tensor 0 was given new \.data"):
+        out.backward()
+    assert x.grad is None

@@ -275,3 +275,88 @@ def test_grad_setter_checks_dtype() -> None:
     x = pargrad.tensor([1.0, 2.0], requires_grad=True)
     with pytest.raises(TypeError, match="dtype float32"):
         x.grad = pargrad.tensor([1.0, 1.0], dtype=np.float32)
+
+
+def test_requires_grad_attribute_is_checked() -> None:
+    t = pargrad.tensor([1, 2])
+    with pytest.raises(TypeError, match="only floating-point"):
+        t.requires_grad = True
+    x = pargrad.tensor([1.0], requires_grad=True)
+    y = x * 2
+    with pytest.raises(RuntimeError, match="leaf"):
+        y.requires_grad = False
+    y.requires_grad = True  # no change: allowed
+    x.requires_grad = False
+    assert not x.requires_grad and not (x * 2).requires_grad
+
+
+def test_replacing_data_after_the_forward_keeps_the_gradient() -> None:
+    w = pargrad.tensor([2.0], requires_grad=True)
+    x = pargrad.tensor([3.0], requires_grad=True)
+    loss = (w * x).sum()
+    with pargrad.no_grad():
+        w.data = w.data - 1.0
+    loss.backward()
+    assert x.grad.item() == 2.0  # the value w had in the forward pass
+    loss2 = (w * x).sum()
+    with pargrad.no_grad():
+        w.data = w.data * 10
+    with pytest.raises(pargrad.BackwardError, match=r"MultiplyBackward: argument 0 .*new \.data"):
+        loss2.backward(create_graph=True)
+
+
+def test_in_place_operators() -> None:
+    w = pargrad.tensor([1.0, 2.0], requires_grad=True)
+    (w * w).sum().backward()
+    loss = (w * 3.0).sum()
+    before = w
+    with pargrad.no_grad():
+        w -= 0.5 * w.grad  # the optimizer idiom updates the parameter itself
+        w *= 2
+    assert w is before and w.requires_grad and w.is_leaf
+    np.testing.assert_array_equal(w.data, [0.0, 0.0])
+    loss.backward()  # the graph kept the array w had when it was recorded
+    np.testing.assert_array_equal(w.grad.data, [2.0 + 3.0, 4.0 + 3.0])
+    with pytest.raises(RuntimeError, match="leaf tensor that requires grad"):
+        w += 1
+    h = w * 1.0
+    h_before = h
+    h += 1  # recorded out of place
+    assert h is not h_before and h.grad_fn.name() == "AddBackward"
+    c = pargrad.tensor([1, 2])
+    c += 1
+    np.testing.assert_array_equal(c.data, [2, 3])
+    with pytest.raises(TypeError, match="int64 tensor in place"):
+        c /= 2
+    with pytest.raises(ValueError, match=r"shape \(2,\) in place"):
+        c += np.ones((3, 2), dtype=int)
+
+
+def test_index_edge_cases() -> None:
+    v = pargrad.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    assert v[np.array(True)].shape == (1, 3) and v[np.array(False)].shape == (0, 3)
+    assert v[[]].shape == (0,)
+    (v[np.array(True)].sum() + v[[]].sum()).backward()
+    np.testing.assert_array_equal(v.grad.data, [1.0, 1.0, 1.0])
+
+
+def test_shape_argument_errors() -> None:
+    x = pargrad.tensor(np.ones((2, 3)), requires_grad=True)
+    with pytest.raises(ValueError, match=r"transpose: axes .* out of bounds"):
+        x.transpose(0, 5)
+    with pytest.raises(ValueError, match=r"split: indices .* must not decrease"):
+        pargrad.split(x, [2, 1], axis=1)
+    with pytest.raises(TypeError, match="list of Tensors"):
+        pargrad.add(x, [x[0], x[1]])
+    with pytest.raises(TypeError, match=r"numpy\.sum on pargrad Tensors takes only sum\(x"):
+        np.sum(x, dtype=np.float32)
+
+
+def test_graphs_without_saved_values_can_run_backward_again() -> None:
+    x = pargrad.tensor(np.arange(4.0), requires_grad=True)
+    a, b = pargrad.split(x + 1, 2)
+    a.sum().backward()
+    b.sum().backward()  # as in PyTorch: nothing saved, nothing freed
+    np.testing.assert_array_equal(x.grad.data, [1.0, 1.0, 1.0, 1.0])
+    node = (x.reshape(2, 2).T.sum(axis=0) - x[:2]).grad_fn
+    assert node.name() == "SubtractBackward"

@@ -14,13 +14,14 @@ pargrad's ops through ``__array_ufunc__`` / ``__array_function__``.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from pargrad.grad_mode import is_grad_enabled
-from pargrad.graph import Grad, Meta, Node
+from pargrad.graph import BackwardError, Grad, Meta, Node
 from pargrad.tensor import Tensor
 
 Rule = Callable[..., Any]
@@ -45,9 +46,14 @@ class Op:
     give ``argnum_rule(i, g, ans, args, **params)`` instead, ``args`` being one tuple.
     An op with several outputs (``multi_output=True``) gets the tuple of output
     gradients as ``g``.
+
+    ``needs_values=False`` declares that the rules read only the shapes and dtypes of the
+    arguments, never their values or the output's: the node then keeps no arrays alive,
+    and its graph can be run backward again without ``retain_graph`` (as in PyTorch).
     """
 
-    __slots__ = ("argnum_rule", "forward", "multi_output", "name", "node_name", "rules")
+    __slots__ = ("argnum_rule", "forward", "multi_output", "name", "needs_values", "node_name",
+                 "rules")
 
     def __init__(
         self,
@@ -57,6 +63,7 @@ class Op:
         *,
         argnum_rule: Callable[..., Any] | None = None,
         multi_output: bool = False,
+        needs_values: bool = True,
     ) -> None:
         self.name = name
         self.node_name = "".join(p.capitalize() for p in name.split("_")) + "Backward"
@@ -64,6 +71,7 @@ class Op:
         self.rules = tuple(rules)
         self.argnum_rule = argnum_rule
         self.multi_output = multi_output
+        self.needs_values = needs_values
 
     def __repr__(self) -> str:
         return f"<pargrad op {self.name}>"
@@ -99,6 +107,11 @@ class Op:
 
 def _operand(a: Any) -> Any:
     if isinstance(a, (list, tuple)):
+        if any(isinstance(item, Tensor) for item in a):
+            raise TypeError(
+                "a list of Tensors is not an operand: its gradients would be lost; combine "
+                "them with pargrad.stack or pargrad.concatenate first"
+            )
         return np.asarray(a)
     return a
 
@@ -121,10 +134,27 @@ def _forward_error(
     return ValueError(message)  # pragma: no cover - the except clause lists the kinds
 
 
-class OpNode(Node):
-    """The backward node of one op call: saves the arguments and the output arrays."""
+class ShapeOf:
+    """What a rule may read of an argument whose values it does not need."""
 
-    __slots__ = ("op", "params", "saved_args", "saved_outputs")
+    __slots__ = ("dtype", "ndim", "shape")
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.shape = array.shape
+        self.dtype = array.dtype
+        self.ndim = array.ndim
+
+
+class OpNode(Node):
+    """The backward node of one op call.
+
+    Saves the arrays of the arguments and outputs as they were in the forward (or only
+    their shapes, for ops that need no values), so replacing a tensor's ``.data`` later
+    does not change its gradient. With ``create_graph`` the rules differentiate through
+    the argument Tensors themselves, which must still hold those arrays.
+    """
+
+    __slots__ = ("op", "params", "saved_args", "saved_arrays", "saved_outputs")
 
     def __init__(
         self, op: Op, args: tuple[Any, ...], params: dict[str, Any], outs: tuple[np.ndarray, ...]
@@ -143,35 +173,52 @@ class OpNode(Node):
         super().__init__(tuple(edges), tuple(metas), tuple((o.shape, o.dtype) for o in outs))
         self.op = op
         self.params = params
-        self.saved_args: tuple[Any, ...] | None = args
-        self.saved_outputs: tuple[np.ndarray, ...] | None = outs
+        arrays = tuple(a.data if isinstance(a, Tensor) else a for a in args)
+        if op.needs_values:
+            self.saved_args: tuple[Any, ...] | None = args
+            self.saved_arrays: tuple[Any, ...] | None = arrays
+            self.saved_outputs: tuple[np.ndarray, ...] | None = outs
+        else:
+            self.saved_args = None
+            self.saved_arrays = tuple(ShapeOf(a) if isinstance(a, np.ndarray) else a
+                                      for a in arrays)
+            self.saved_outputs = None
 
     def name(self) -> str:
         return self.op.node_name
 
     def _free_saved(self) -> bool:
-        self.saved_args = None
-        self.saved_outputs = None
+        if not self.op.needs_values:
+            return False
+        self.saved_args = self.saved_arrays = self.saved_outputs = None
         return True
 
     def backward(self, grads: tuple[Grad, ...]) -> list[Grad | None]:
-        assert self.saved_args is not None and self.saved_outputs is not None
-        if is_grad_enabled():
+        assert self.saved_arrays is not None
+        args: tuple[Any, ...] = self.saved_arrays
+        outs: tuple[Any, ...] | None = self.saved_outputs
+        if self.saved_args is not None and outs is not None and is_grad_enabled():
             # Recording a graph of this backward: differentiate through the saved
             # Tensors themselves, and through outputs rebuilt around this very node.
-            args: tuple[Any, ...] = self.saved_args
-            outs: tuple[Any, ...] = tuple(
-                Tensor._make(o, self, i) for i, o in enumerate(self.saved_outputs)
-            )
-        else:
-            args = tuple(a.data if isinstance(a, Tensor) else a for a in self.saved_args)
-            outs = self.saved_outputs
+            args = self._saved_tensors(self.saved_args, args)
+            outs = tuple(Tensor._make(o, self, i) for i, o in enumerate(outs))
         g = grads if self.op.multi_output else grads[0]
-        ans = outs if self.op.multi_output else outs[0]
+        ans = outs if outs is None or self.op.multi_output else outs[0]
         return [
             None if next_node is None else self.op.vjp(i, g, ans, args, self.params)
             for i, (next_node, _) in enumerate(self.next_functions)
         ]
+
+    def _saved_tensors(self, tensors: tuple[Any, ...], arrays: tuple[Any, ...]) -> tuple[Any, ...]:
+        for i, (t, a) in enumerate(zip(tensors, arrays)):
+            if isinstance(t, Tensor) and t.data is not a:
+                raise BackwardError(
+                    self.name(),
+                    f"argument {i} was given new .data after the forward pass, so a graph "
+                    f"of this backward cannot be recorded through it; update tensors only "
+                    f"after the backward that needs them",
+                )
+        return tensors
 
 
 def defop(name: str, forward: Callable[..., Any], *rules: Rule, **options: Any) -> Op:
@@ -234,9 +281,20 @@ def dispatch_ufunc(
 def dispatch_function(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """``Tensor.__array_function__``: route a numpy function call to the matching op."""
     impl = FUNCTION_OPS.get(func)
+    name = getattr(func, "__name__", repr(func))
     if impl is None:
         raise TypeError(
-            f"pargrad Tensors do not support numpy.{getattr(func, '__name__', func)}; call it "
-            f"on tensor.numpy() (no gradient) or use a pargrad op"
+            f"pargrad Tensors do not support numpy.{name}; call it on tensor.numpy() "
+            f"(no gradient) or use a pargrad op"
         )
-    return impl(*args, **kwargs)
+    try:
+        return impl(*args, **kwargs)
+    except TypeError:
+        signature = inspect.signature(impl)
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError as exc:  # the call itself did not fit: say what does
+            raise TypeError(
+                f"numpy.{name} on pargrad Tensors takes only {name}{signature}: {exc}"
+            ) from None
+        raise

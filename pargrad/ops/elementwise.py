@@ -16,10 +16,10 @@ from pargrad.tensor import Tensor
 # ----- arithmetic -----
 add = defop("add", np.add,
             lambda g, ans, x, y: g,
-            lambda g, ans, x, y: g)
+            lambda g, ans, x, y: g, needs_values=False)
 subtract = defop("subtract", np.subtract,
                  lambda g, ans, x, y: g,
-                 lambda g, ans, x, y: -g)
+                 lambda g, ans, x, y: -g, needs_values=False)
 multiply = defop("multiply", np.multiply,
                  lambda g, ans, x, y: g * y,
                  lambda g, ans, x, y: g * x)
@@ -27,7 +27,7 @@ divide = defop("divide", np.divide,
                lambda g, ans, x, y: g / y,
                lambda g, ans, x, y: -g * ans / y)
 negative = defop("negative", np.negative,
-                 lambda g, ans, x: -g)
+                 lambda g, ans, x: -g, needs_values=False)
 
 
 def _power_base_rule(g: Any, ans: Any, x: Any, y: Any) -> Any:
@@ -77,9 +77,10 @@ sigmoid = defop("sigmoid", lambda x: 0.5 * (1 + np.tanh(0.5 * x)),
                 lambda g, ans, x: g * ans * (1 - ans))
 
 # ----- copies and dtype -----
-copy = defop("copy", lambda x: np.array(x, copy=True), lambda g, ans, x: g)
+copy = defop("copy", lambda x: np.array(x, copy=True), lambda g, ans, x: g,
+             needs_values=False)
 _astype = defop("astype", lambda x, *, dtype: x.astype(dtype),
-                lambda g, ans, x, *, dtype: g.astype(x.dtype))
+                lambda g, ans, x, *, dtype: g.astype(x.dtype), needs_values=False)
 
 implements(np.copy)(copy)
 

@@ -38,13 +38,17 @@ matmul = defop("matmul", np.matmul, _matmul_lhs, _matmul_rhs)
 
 # ----- axes -----
 _transpose = defop("transpose", lambda x, *, axes: np.transpose(x, axes),
-                   lambda g, ans, x, *, axes: np.transpose(g, np.argsort(axes)))
+                   lambda g, ans, x, *, axes: np.transpose(g, np.argsort(axes)),
+                   needs_values=False)
 
 
 @implements(np.transpose)
 def transpose(x: Any, axes: Any = None) -> Tensor:
     """Permute the axes (reverse them if ``axes`` is None)."""
     ndim = np.ndim(x.data if isinstance(x, Tensor) else x)
+    if axes is not None and any(not -ndim <= a < ndim for a in axes):
+        raise ValueError(f"transpose: axes {tuple(axes)!r} are out of bounds for {ndim} "
+                         f"dimensions")
     perm = tuple(range(ndim))[::-1] if axes is None else tuple(int(a) % ndim for a in axes)
     if sorted(perm) != list(range(ndim)):
         raise ValueError(f"transpose: axes {axes!r} are not a permutation of {ndim} axes")

@@ -58,11 +58,13 @@ def _logsumexp(x: np.ndarray, *, axis: Axis, keepdims: bool) -> np.ndarray:
 # ----- reductions -----
 _sum = defop("sum", lambda x, *, axis, keepdims: np.sum(x, axis=axis, keepdims=keepdims),
              lambda g, ans, x, *, axis, keepdims:
-                 np.broadcast_to(_unreduce(g, axis, keepdims), x.shape))
+                 np.broadcast_to(_unreduce(g, axis, keepdims), x.shape),
+             needs_values=False)
 _mean = defop("mean", lambda x, *, axis, keepdims: np.mean(x, axis=axis, keepdims=keepdims),
               lambda g, ans, x, *, axis, keepdims:
                   np.broadcast_to(_unreduce(g, axis, keepdims), x.shape)
-                  / (_count(x.shape, axis) or 1))
+                  / (_count(x.shape, axis) or 1),
+              needs_values=False)
 _max = defop("max", lambda x, *, axis, keepdims: np.max(x, axis=axis, keepdims=keepdims),
              _share_extremum)
 _min = defop("min", lambda x, *, axis, keepdims: np.min(x, axis=axis, keepdims=keepdims),

@@ -27,15 +27,16 @@ def _axis(axis: Any, ndim: int, op: str) -> int:
     return int(axis) % ndim
 
 
+# Every rule here reads only shapes (needs_values=False): these nodes keep no arrays.
 # ----- reshaping -----
 _reshape = defop("reshape", lambda x, *, shape: np.reshape(x, shape),
-                 lambda g, ans, x, *, shape: np.reshape(g, x.shape))
+                 lambda g, ans, x, *, shape: np.reshape(g, x.shape), needs_values=False)
 _squeeze = defop("squeeze", lambda x, *, axis: np.squeeze(x, axis),
-                 lambda g, ans, x, *, axis: np.reshape(g, x.shape))
+                 lambda g, ans, x, *, axis: np.reshape(g, x.shape), needs_values=False)
 _expand_dims = defop("expand_dims", lambda x, *, axis: np.expand_dims(x, axis),
-                     lambda g, ans, x, *, axis: np.reshape(g, x.shape))
+                     lambda g, ans, x, *, axis: np.reshape(g, x.shape), needs_values=False)
 _broadcast_to = defop("broadcast_to", lambda x, *, shape: np.broadcast_to(x, shape),
-                      lambda g, ans, x, *, shape: sum_to(g, x.shape))
+                      lambda g, ans, x, *, shape: sum_to(g, x.shape), needs_values=False)
 
 
 def _ints(value: Any) -> tuple[int, ...]:
@@ -77,12 +78,14 @@ def _slice_along(axis: int, start: int, stop: int) -> tuple[slice, ...]:
 # ``bounds[i]:bounds[i + 1]`` is where input i lies along ``axis`` of the result.
 _concatenate = defop("concatenate", lambda *xs, axis, bounds: np.concatenate(xs, axis=axis),
                      argnum_rule=lambda i, g, ans, xs, *, axis, bounds:
-                         g[_slice_along(axis, bounds[i], bounds[i + 1])])
+                         g[_slice_along(axis, bounds[i], bounds[i + 1])],
+                     needs_values=False)
 _stack = defop("stack", lambda *xs, axis: np.stack(xs, axis=axis),
-               argnum_rule=lambda i, g, ans, xs, *, axis: g[(slice(None),) * axis + (i,)])
+               argnum_rule=lambda i, g, ans, xs, *, axis: g[(slice(None),) * axis + (i,)],
+               needs_values=False)
 _split = defop("split", lambda x, *, sections, axis: np.split(x, sections, axis=axis),
                lambda gs, ans, x, *, sections, axis: np.concatenate(gs, axis=axis),
-               multi_output=True)
+               multi_output=True, needs_values=False)
 
 
 @implements(np.concatenate)
@@ -109,8 +112,12 @@ def stack(tensors: Sequence[Any], axis: int = 0) -> Tensor:
 @implements(np.split)
 def split(x: Any, indices_or_sections: Any, axis: int = 0) -> tuple[Tensor, ...]:
     """Split into several tensors along ``axis`` (one node with several outputs)."""
-    sections = (indices_or_sections if isinstance(indices_or_sections, (int, np.integer))
-                else tuple(indices_or_sections))
+    if isinstance(indices_or_sections, (int, np.integer)):
+        sections: int | tuple[int, ...] = int(indices_or_sections)
+    else:
+        sections = _ints(indices_or_sections)
+        if list(sections) != sorted(sections):
+            raise ValueError(f"split: indices {sections} must not decrease")
     parts: tuple[Tensor, ...] = _split(x, sections=sections, axis=_axis(axis, np.ndim(_data(x)),
                                                                             "split"))
     return parts
@@ -133,11 +140,12 @@ def _untake_array(g: np.ndarray, index: tuple[Any, ...], shape: tuple[int, ...])
 
 # untake is getitem's adjoint: it scatters g into zeros, adding at repeated indices.
 _untake = defop("untake", lambda g, *, index, shape: _untake_array(g, index, shape),
-                lambda gg, ans, g, *, index, shape: gg[index])
+                lambda gg, ans, g, *, index, shape: gg[index], needs_values=False)
 _getitem = defop("getitem", lambda x, *, index: x[index],
                  lambda g, ans, x, *, index:
                      _untake(g, index=index, shape=x.shape) if isinstance(g, Tensor)
-                     else _untake_array(g, index, x.shape))
+                     else _untake_array(g, index, x.shape),
+                 needs_values=False)
 
 
 def _normalize_index(index: Any) -> tuple[Any, ...]:
@@ -148,7 +156,9 @@ def _normalize_index(index: Any) -> tuple[Any, ...]:
             item = item.data
         elif isinstance(item, list):
             item = np.asarray(item)
-        if isinstance(item, np.ndarray) and item.dtype == bool:
+            if item.size == 0:
+                item = item.astype(np.intp)  # [] selects nothing, as in numpy
+        if isinstance(item, np.ndarray) and item.dtype == bool and item.ndim > 0:
             out.extend(np.nonzero(item))  # add.at needs integer indices
         else:
             out.append(item)
