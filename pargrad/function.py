@@ -106,7 +106,7 @@ class Function:
         if is_grad_enabled() and any(needs):
             node = FunctionNode(cls, ctx, args, arrays)
         outputs = tuple(
-            Tensor._make(a, node if np.issubdtype(a.dtype, np.floating) else None, i)
+            Tensor._make(a, node if a.dtype.kind == "f" else None, i)
             for i, a in enumerate(arrays)
         )
         return outputs if several else outputs[0]

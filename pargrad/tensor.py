@@ -27,7 +27,7 @@ _accumulator_lock = threading.Lock()
 
 
 def _check_can_require_grad(dtype: np.dtype) -> None:
-    if not np.issubdtype(dtype, np.floating):
+    if dtype.kind != "f":
         raise TypeError(
             f"only floating-point tensors can require gradients, but this tensor has dtype "
             f"{dtype}; create it with a float dtype, e.g. pargrad.tensor(data, "

@@ -94,13 +94,12 @@ class Op:
         except (ValueError, IndexError, TypeError) as exc:
             raise _forward_error(self.name, exc, arrays, params) from exc
         outs = tuple(np.asarray(o) for o in out) if self.multi_output else (np.asarray(out),)
-        needs_graph = is_grad_enabled() and any(
-            isinstance(a, Tensor) and a.requires_grad for a in operands
-        )
-        if needs_graph and np.issubdtype(outs[0].dtype, np.floating):
-            node: Node | None = OpNode(self, operands, params, outs)
-        else:
-            node = None
+        node: Node | None = None
+        if outs[0].dtype.kind == "f" and is_grad_enabled():
+            for a in operands:
+                if isinstance(a, Tensor) and a.requires_grad:
+                    node = OpNode(self, operands, params, outs)
+                    break
         results = tuple(Tensor._make(o, node, i) for i, o in enumerate(outs))
         return results if self.multi_output else results[0]
 
