@@ -328,3 +328,36 @@ def test_use_engine_is_thread_local() -> None:
         t.start()
         t.join()
     assert seen == [pargrad.get_default_engine()]
+
+
+class DropGradient(pargrad.Function):
+    """Passes its input through but gives it no gradient (returns None)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> np.ndarray:
+        return x.data.copy()
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> None:
+        return None
+
+
+def test_a_node_that_receives_only_none_is_skipped(engine: pargrad.Engine) -> None:
+    Log.calls = []
+    x = leaf([1.0, 2.0])
+    upstream = Log.apply(x * 3, "upstream")  # gets nothing: DropGradient returns None
+    y = DropGradient.apply(upstream) * 2 + x
+    y.sum().backward()
+    assert Log.calls == []  # its backward never ran
+    np.testing.assert_array_equal(x.grad.data, [1.0, 1.0])  # only the direct path
+
+
+def test_node_interface(engine: pargrad.Engine) -> None:
+    class Bare(pargrad.Node):
+        __slots__ = ()
+
+    node = Bare((), (), ((((), np.dtype(np.float64)),)))
+    assert node.name() == "Bare" and repr(node).startswith("<Bare sequence_nr=")
+    assert node.num_outputs == 1 and node.next_functions == ()
+    with pytest.raises(pargrad.BackwardError, match=r"Bare: NotImplementedError: Bare has no"):
+        node.apply([np.array(1.0)], retain_graph=False)

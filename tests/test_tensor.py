@@ -360,3 +360,52 @@ def test_graphs_without_saved_values_can_run_backward_again() -> None:
     np.testing.assert_array_equal(x.grad.data, [1.0, 1.0, 1.0, 1.0])
     node = (x.reshape(2, 2).T.sum(axis=0) - x[:2]).grad_fn
     assert node.name() == "SubtractBackward"
+
+
+def test_where_condition_gets_no_gradient() -> None:
+    c = pargrad.tensor([1.0, 0.0], requires_grad=True)  # a float condition: truthiness
+    a = pargrad.tensor([1.0, 2.0], requires_grad=True)
+    pargrad.where(c, a, 5.0).sum().backward()
+    assert c.grad is None
+    np.testing.assert_array_equal(a.grad.data, [1.0, 0.0])
+
+
+def test_an_op_without_a_rule_fails_in_the_forward() -> None:
+    half = pargrad.ops.defop("half_add", np.add, lambda g, ans, x, y: g)
+    x = pargrad.tensor(1.0, requires_grad=True)
+    assert half(x, 2.0).item() == 3.0
+    with pytest.raises(TypeError, match="half_add: no gradient rule for argument 1"):
+        half(2.0, x)
+
+
+def test_more_operand_forms() -> None:
+    x = pargrad.tensor([1.0, 2.0], requires_grad=True)
+    y = x + [10.0, 20.0]  # noqa: RUF005 - a Tensor plus a list of numbers
+    z = [1.0, 2.0] @ x
+    w = x[pargrad.tensor([1, 1])]
+    assert bool(np.greater(x, 1.5)[1]) and not np.greater(x, 1.5).requires_grad
+    (y.sum() + z + w.sum()).backward()
+    np.testing.assert_array_equal(x.grad.data, [2.0, 5.0])
+    assert np.asarray(x, dtype=np.float32).dtype == np.float32
+    with pytest.raises(TypeError, match=r"add: .*operands: array of shape \(2,\).*'abc'"):
+        x + "abc"
+
+
+def test_more_argument_errors() -> None:
+    x = pargrad.tensor(np.ones((2, 3)), requires_grad=True)
+    with pytest.raises(ValueError, match="not a permutation"):
+        x.transpose(0, 0)
+    with pytest.raises(ValueError, match="concatenate: need at least one tensor"):
+        pargrad.concatenate([])
+    with pytest.raises(ValueError, match="stack: need at least one tensor"):
+        pargrad.stack([])
+    with pytest.raises(TypeError, match="concatenate: axis must be an integer"):
+        pargrad.concatenate([x, x], axis=1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="stack: axis 4 is out of bounds"):
+        pargrad.stack([x, x], axis=4)
+    with pytest.raises(ValueError, match="softmax: axis 2 is out of bounds"):
+        pargrad.softmax(x, axis=2)
+    with pytest.raises(ValueError, match=r"sum: repeated axis"):
+        x.sum(axis=(0, -2))
+    with pytest.raises(ValueError, match="clip: one of a_min and a_max"):
+        x.clip()
