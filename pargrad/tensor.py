@@ -235,6 +235,15 @@ class Tensor:
 
     __hash__ = object.__hash__
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # Pickling and deepcopy make a new leaf: the graph is not part of a tensor's value.
+        if not self.is_leaf:
+            raise TypeError(
+                "cannot pickle or deepcopy a non-leaf tensor (it belongs to a graph); "
+                "detach() it first"
+            )
+        return (_rebuild_leaf, (self.data, self._requires_grad, self._grad))
+
     # ----- numpy interoperability -----
 
     def __array_ufunc__(self, ufunc: np.ufunc, method: str, *inputs: Any, **kwargs: Any) -> Any:
@@ -446,6 +455,13 @@ class Tensor:
 
     def astype(self, dtype: Any) -> Tensor:
         return _ops.astype(self, dtype)
+
+
+def _rebuild_leaf(data: np.ndarray, requires_grad: bool, grad: Tensor | None) -> Tensor:
+    leaf = Tensor._make(data)
+    leaf._requires_grad = requires_grad
+    leaf._grad = grad
+    return leaf
 
 
 def tensor(data: Any, requires_grad: bool = False, dtype: Any = None) -> Tensor:

@@ -409,3 +409,21 @@ def test_more_argument_errors() -> None:
         x.sum(axis=(0, -2))
     with pytest.raises(ValueError, match="clip: one of a_min and a_max"):
         x.clip()
+
+
+def test_pickle_and_deepcopy_make_new_leaves() -> None:
+    import copy
+    import pickle
+
+    w = pargrad.tensor([1.0, 2.0], requires_grad=True)
+    (w * w).sum().backward()  # w now has a grad and an accumulator
+    for clone in (pickle.loads(pickle.dumps(w)), copy.deepcopy(w)):
+        assert clone is not w and clone.is_leaf and clone.requires_grad
+        np.testing.assert_array_equal(clone.data, w.data)
+        np.testing.assert_array_equal(clone.grad.data, w.grad.data)
+        assert not np.shares_memory(clone.data, w.data)
+        (clone * 3).sum().backward()
+        np.testing.assert_array_equal(clone.grad.data, [5.0, 7.0])
+    np.testing.assert_array_equal(w.grad.data, [2.0, 4.0])
+    with pytest.raises(TypeError, match="non-leaf"):
+        pickle.dumps(w * 2)
