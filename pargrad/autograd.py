@@ -6,7 +6,6 @@ finished the whole graph, so a backward that raises leaves every ``.grad`` as it
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,12 +16,7 @@ from pargrad.engine.buffer import accumulate
 from pargrad.grad_mode import enable_grad
 from pargrad.graph import AccumulateGrad, Grad
 from pargrad.ops import copy
-from pargrad.tensor import Tensor
-
-# Guards every leaf's .grad while a backward commits to it: the read of the old
-# gradient and the write of the sum must not interleave with another commit, or a
-# concurrent backward's contribution would be lost. Taken with no other lock held.
-_commit_lock = threading.Lock()
+from pargrad.tensor import Tensor, grad_lock
 
 
 def backward(
@@ -120,16 +114,14 @@ def _commit(captured: dict[AccumulateGrad, Grad], create_graph: bool) -> None:
 
     A new ``.grad`` is a copy, so it never shares memory with a gradient that the
     caller, another leaf or the graph still holds. With ``create_graph`` the copy and
-    the sum are recorded, so ``.grad`` can be differentiated.
+    the sum are recorded, so ``.grad`` can be differentiated. Holds ``grad_lock``.
     """
-    with _commit_lock:
+    with grad_lock, enable_grad():
         for accumulator, grad in captured.items():
             leaf = accumulator.variable
-            old = leaf.grad
+            old = leaf._grad
             if create_graph:
-                with enable_grad():
-                    new = copy(grad)
-                    leaf._grad = new if old is None else old + new
+                leaf._grad = copy(grad) if old is None else accumulate(old, False, copy(grad))[0]
             elif old is None:
                 leaf._grad = Tensor._make(np.array(grad))
             else:

@@ -27,7 +27,7 @@ import numpy as np
 
 from pargrad.grad_mode import is_grad_enabled, no_grad
 from pargrad.graph import Grad, Meta, Node
-from pargrad.tensor import Tensor
+from pargrad.tensor import Tensor, check_saved_data
 
 
 class FunctionCtx:
@@ -60,12 +60,7 @@ class FunctionCtx:
                 "saved tensors were freed after the first backward; pass retain_graph=True "
                 "to backward through this graph more than once"
             )
-        for i, (t, a) in enumerate(zip(self._saved, self._saved_arrays)):
-            if isinstance(t, Tensor) and t.data is not a:
-                raise RuntimeError(
-                    f"saved tensor {i} was given new .data after it was saved; update "
-                    f"tensors only after the backward that needs them"
-                )
+        check_saved_data(self._saved, self._saved_arrays, "saved tensor")
         return self._saved
 
 

@@ -21,9 +21,12 @@ from pargrad.graph import AccumulateGrad, Edge, Node
 if TYPE_CHECKING:
     from pargrad.engine.base import Engine
 
-# Guards the creation of a leaf's AccumulateGrad, so that two threads recording graphs
-# on the same leaf at once share one accumulator instead of racing to create two.
+# Guards every tensor's _accumulator (the creation of a leaf's AccumulateGrad), so that
+# two threads recording graphs on one leaf share one accumulator instead of making two.
 _accumulator_lock = threading.Lock()
+# Guards every tensor's _grad: the .grad setter, and a backward's commit (which reads
+# the old gradient and writes the sum), so that no concurrent contribution is lost.
+grad_lock = threading.Lock()
 
 
 def _check_can_require_grad(dtype: np.dtype) -> None:
@@ -54,6 +57,8 @@ class Tensor:
 
     data: np.ndarray
     grad_fn: Node | None
+    _grad: Tensor | None  # guarded by grad_lock
+    _accumulator: weakref.ref[AccumulateGrad] | None  # guarded by _accumulator_lock
 
     def __init__(self, data: Any, requires_grad: bool = False, dtype: Any = None) -> None:
         array = np.array(data.data if isinstance(data, Tensor) else data, dtype=dtype)
@@ -63,8 +68,8 @@ class Tensor:
         self._requires_grad = bool(requires_grad)
         self.grad_fn = None
         self.output_nr = 0
-        self._grad: Tensor | None = None
-        self._accumulator: weakref.ref[AccumulateGrad] | None = None
+        self._grad = None
+        self._accumulator = None
 
     @classmethod
     def _make(
@@ -116,7 +121,8 @@ class Tensor:
                     f"assigned grad has dtype {value.dtype}, but the tensor has dtype "
                     f"{self.dtype}"
                 )
-        self._grad = value
+        with grad_lock:
+            self._grad = value
 
     def requires_grad_(self, requires_grad: bool = True) -> Tensor:
         """Set ``requires_grad`` in place on a leaf and return the tensor."""
@@ -221,6 +227,8 @@ class Tensor:
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         if dtype is not None and dtype != self.data.dtype:
+            if copy is False:
+                raise ValueError(f"cannot convert a {self.dtype} tensor to {dtype} without a copy")
             return self.data.astype(dtype)
         return self.data.copy() if copy else self.data
 
@@ -239,10 +247,11 @@ class Tensor:
         # Pickling and deepcopy make a new leaf: the graph is not part of a tensor's value.
         if not self.is_leaf:
             raise TypeError(
-                "cannot pickle or deepcopy a non-leaf tensor (it belongs to a graph); "
+                "cannot pickle or copy a non-leaf tensor (it belongs to a graph); "
                 "detach() it first"
             )
-        return (_rebuild_leaf, (self.data, self._requires_grad, self._grad))
+        grad = None if self._grad is None else self._grad.detach()
+        return (_rebuild_leaf, (self.data, self._requires_grad, grad))
 
     # ----- numpy interoperability -----
 
@@ -301,6 +310,12 @@ class Tensor:
 
     def __itruediv__(self, other: Any) -> Tensor:
         return self._inplace(np.divide, _ops.divide, other)
+
+    def __ipow__(self, other: Any) -> Tensor:
+        return self._inplace(np.power, _ops.power, other)
+
+    def __imatmul__(self, other: Any) -> Tensor:
+        return self._inplace(np.matmul, _ops.matmul, other)
 
     def _inplace(self, ufunc: np.ufunc, op: Any, other: Any) -> Tensor:
         other_needs_grad = isinstance(other, Tensor) and other.requires_grad
@@ -455,6 +470,26 @@ class Tensor:
 
     def astype(self, dtype: Any) -> Tensor:
         return _ops.astype(self, dtype)
+
+    def copy(self) -> Tensor:
+        return _ops.copy(self)
+
+    def swapaxes(self, axis1: int, axis2: int) -> Tensor:
+        return _ops.swapaxes(self, axis1, axis2)
+
+
+def check_saved_data(saved: Sequence[Any], arrays: Sequence[Any], what: str) -> None:
+    """Raise RuntimeError if a saved Tensor no longer holds the array saved with it.
+
+    A node saves the arrays its backward needs; a tensor given new ``.data`` since
+    (a weight update) can no longer stand for the value the forward used.
+    """
+    for i, (t, array) in enumerate(zip(saved, arrays)):
+        if isinstance(t, Tensor) and t.data is not array:
+            raise RuntimeError(
+                f"{what} {i} was given new .data after it was saved for backward; update "
+                f"tensors only after the backward that needs them"
+            )
 
 
 def _rebuild_leaf(data: np.ndarray, requires_grad: bool, grad: Tensor | None) -> Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import numpy as np
@@ -19,10 +20,15 @@ def run_threads(target, count: int = 8) -> None:  # type: ignore[no-untyped-def]
             errors.append(exc)
 
     threads = [threading.Thread(target=guarded) for _ in range(count)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often, so that races show up
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        sys.setswitchinterval(interval)
     assert not any(t.is_alive() for t in threads)
     if errors:
         raise errors[0]

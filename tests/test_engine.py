@@ -218,6 +218,47 @@ def test_canonical_summation_order(engine: pargrad.Engine) -> None:
     assert (-1e16 + 1e16) + 1.0 == 1.0 and (1.0 + 1e16) + -1e16 == 0.0
 
 
+class Three(pargrad.Function):
+    """a + b + c, whose backward gives its three edges 1, 1e16 and -1e16 times g."""
+
+    @staticmethod
+    def forward(ctx: Any, a: Tensor, b: Tensor, c: Tensor) -> np.ndarray:
+        return a.data + b.data + c.data
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return g * 1.0, g * 1e16, g * -1e16
+
+
+def test_edges_of_one_producer_are_summed_in_edge_order(engine: pargrad.Engine) -> None:
+    x = leaf(1.0)
+    Three.apply(x, x, x).backward()
+    assert x.grad.item() == (1.0 + 1e16) + -1e16 == 0.0  # reversed order would give 1.0
+
+
+def test_node_backwards_run_with_grad_mode_set_to_create_graph(
+        engine: pargrad.Engine) -> None:
+    seen = []
+
+    class Probe(pargrad.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Tensor) -> np.ndarray:
+            return x.data * 1.0
+
+        @staticmethod
+        def backward(ctx: Any, g: Tensor) -> Tensor:
+            seen.append(pargrad.is_grad_enabled())
+            return g
+
+    x = leaf(1.0)
+    Probe.apply(x).backward()  # the caller has grad mode on
+    with pargrad.no_grad():
+        Probe.apply(x)  # records nothing, runs no backward
+    Probe.apply(x).backward(create_graph=True)
+    assert seen == [False, True]
+    assert pargrad.is_grad_enabled()
+
+
 def test_root_gradients_are_summed_first(engine: pargrad.Engine) -> None:
     x = leaf(1.0)
     y = x * 1.0

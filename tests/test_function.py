@@ -117,8 +117,11 @@ def test_integer_output_is_not_differentiable(engine: pargrad.Engine) -> None:
         def backward(ctx: Any, g: Tensor, g_index: Tensor) -> Tensor:
             return g
 
-    values, index = ArgMax.apply(pargrad.tensor([1.0, 5.0], requires_grad=True))
+    x = pargrad.tensor([1.0, 5.0], requires_grad=True)
+    values, index = ArgMax.apply(x)
     assert values.requires_grad and not index.requires_grad and index.item() == 1
+    (values * 2).sum().backward()  # the int output's gradient arrives as zeros
+    np.testing.assert_array_equal(x.grad.data, [2.0, 2.0])
 
 
 def test_wrong_number_of_gradients(engine: pargrad.Engine) -> None:

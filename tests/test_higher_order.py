@@ -86,3 +86,28 @@ def test_create_graph_grads_do_not_alias(engine: pargrad.Engine) -> None:
     assert not np.shares_memory(x.grad.data, y.grad.data)
     assert not np.shares_memory(x.grad.data, g)
     assert x.grad.requires_grad is False  # the gradient does not depend on x or y
+
+
+def test_second_derivative_through_indexing_with_repeats(engine: pargrad.Engine) -> None:
+    # The first derivative scatters with the differentiable `untake`; the second
+    # differentiates that scatter (its rule gathers again).
+    index = np.array([0, 2, 2, 1, 0])
+    weights = np.array([1.0, -2.0, 0.5, 3.0, 1.5])
+
+    def first_grad(values: np.ndarray, create_graph: bool = False) -> pargrad.Tensor:
+        t = pargrad.tensor(values, requires_grad=True)
+        (t[index] ** 3 * weights).sum().backward(create_graph=create_graph)
+        return t
+
+    x = np.array([0.5, -1.0, 2.0])
+    t = first_grad(x, create_graph=True)
+    expected = np.zeros(3)
+    np.add.at(expected, index, 3 * x[index] ** 2 * weights)
+    np.testing.assert_allclose(t.grad.data, expected)
+    v = np.array([1.0, 0.5, -1.0])
+    g = t.grad
+    t.grad = None
+    (g * v).sum().backward()
+    eps = 1e-6
+    numeric = (first_grad(x + eps * v).grad.data - first_grad(x - eps * v).grad.data) / (2 * eps)
+    np.testing.assert_allclose(t.grad.data, numeric, rtol=1e-6)

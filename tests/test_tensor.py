@@ -301,7 +301,8 @@ def test_replacing_data_after_the_forward_keeps_the_gradient() -> None:
     loss2 = (w * x).sum()
     with pargrad.no_grad():
         w.data = w.data * 10
-    with pytest.raises(pargrad.BackwardError, match=r"MultiplyBackward: argument 0 .*new \.data"):
+    with pytest.raises(pargrad.BackwardError,
+                       match=r"MultiplyBackward: RuntimeError: argument 0 .*new \.data"):
         loss2.backward(create_graph=True)
 
 
@@ -330,6 +331,19 @@ def test_in_place_operators() -> None:
         c /= 2
     with pytest.raises(ValueError, match=r"shape \(2,\) in place"):
         c += np.ones((3, 2), dtype=int)
+    p = pargrad.tensor([2.0, 3.0], requires_grad=True)
+    with pytest.raises(RuntimeError, match="leaf tensor that requires grad"):
+        p **= 2
+    m = pargrad.tensor(np.eye(2), requires_grad=True)
+    same = m
+    with pargrad.no_grad():
+        p **= 2
+        m @= np.array([[0.0, 1.0], [1.0, 0.0]])
+    assert m is same and p.is_leaf
+    np.testing.assert_array_equal(p.data, [4.0, 9.0])
+    np.testing.assert_array_equal(m.data, [[0.0, 1.0], [1.0, 0.0]])
+    with pytest.raises(ValueError, match="without a copy"):
+        p.__array__(np.float32, copy=False)
 
 
 def test_index_edge_cases() -> None:
@@ -342,10 +356,15 @@ def test_index_edge_cases() -> None:
 
 def test_shape_argument_errors() -> None:
     x = pargrad.tensor(np.ones((2, 3)), requires_grad=True)
-    with pytest.raises(ValueError, match=r"transpose: axes .* out of bounds"):
+    with pytest.raises(ValueError, match=r"transpose: axis 5 is out of bounds"):
         x.transpose(0, 5)
     with pytest.raises(ValueError, match=r"split: indices .* must not decrease"):
         pargrad.split(x, [2, 1], axis=1)
+    with pytest.raises(ValueError, match=r"split: indices \(-1, 1\) must not decrease"):
+        pargrad.split(x, [-1, 1], axis=1)  # -1 is index 2 here: the pieces would overlap
+    parts = pargrad.split(x, [1, -1], axis=1)  # numpy's reading: [1, 2]
+    assert [p.shape for p in parts] == [(2, 1), (2, 1), (2, 1)]
+    assert [p.shape for p in pargrad.split(x, [-9, 9], axis=1)] == [(2, 0), (2, 3), (2, 0)]
     with pytest.raises(TypeError, match="list of Tensors"):
         pargrad.add(x, [x[0], x[1]])
     with pytest.raises(TypeError, match=r"numpy\.sum on pargrad Tensors takes only sum\(x"):
@@ -393,8 +412,14 @@ def test_more_operand_forms() -> None:
 
 def test_more_argument_errors() -> None:
     x = pargrad.tensor(np.ones((2, 3)), requires_grad=True)
-    with pytest.raises(ValueError, match="not a permutation"):
+    with pytest.raises(ValueError, match=r"transpose: repeated axis in \(0, 0\)"):
         x.transpose(0, 0)
+    with pytest.raises(ValueError, match="not a permutation of 2 axes"):
+        x.transpose((1,))
+    with pytest.raises(TypeError, match=r"sum: axis must be an integer, got 1\.5"):
+        x.sum(axis=1.5)
+    with pytest.raises(TypeError, match="swapaxes: axis must be an integer"):
+        x.swapaxes(0, 1.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="concatenate: need at least one tensor"):
         pargrad.concatenate([])
     with pytest.raises(ValueError, match="stack: need at least one tensor"):
@@ -427,3 +452,8 @@ def test_pickle_and_deepcopy_make_new_leaves() -> None:
     np.testing.assert_array_equal(w.grad.data, [2.0, 4.0])
     with pytest.raises(TypeError, match="non-leaf"):
         pickle.dumps(w * 2)
+    x = pargrad.tensor([1.0, 2.0], requires_grad=True)
+    (x ** 3).sum().backward(create_graph=True)  # x.grad now belongs to a graph
+    clone = pickle.loads(pickle.dumps(x))
+    assert clone.grad.is_leaf
+    np.testing.assert_array_equal(clone.grad.data, [3.0, 12.0])

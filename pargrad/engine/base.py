@@ -50,7 +50,12 @@ _local = threading.local()
 
 
 def get_default_engine() -> Engine:
-    """The process-wide default engine (a SequentialEngine unless changed)."""
+    """The process-wide default engine (a SequentialEngine unless changed). Thread-safe.
+
+    >>> import pargrad
+    >>> isinstance(pargrad.get_default_engine(), pargrad.Engine)
+    True
+    """
     global _default_engine
     with _default_lock:
         if _default_engine is None:
@@ -61,7 +66,11 @@ def get_default_engine() -> Engine:
 
 
 def set_default_engine(engine: Engine) -> None:
-    """Make ``engine`` the process-wide default for backward calls."""
+    """Make ``engine`` the process-wide default for backward calls. Thread-safe.
+
+    Threads inside a ``use_engine`` block keep their engine. Raises TypeError if
+    ``engine`` is not an Engine.
+    """
     global _default_engine
     if not isinstance(engine, Engine):
         raise TypeError(f"expected a pargrad Engine, got {type(engine).__name__}")
@@ -72,6 +81,9 @@ def set_default_engine(engine: Engine) -> None:
 @contextlib.contextmanager
 def use_engine(engine: Engine) -> Iterator[Engine]:
     """Run backward calls made by this thread inside the block on ``engine``.
+
+    Affects only the calling thread (other threads keep theirs); blocks nest. Raises
+    TypeError if ``engine`` is not an Engine.
 
     >>> import pargrad
     >>> x = pargrad.tensor(3.0, requires_grad=True)
@@ -91,7 +103,14 @@ def use_engine(engine: Engine) -> Iterator[Engine]:
 
 
 def current_engine() -> Engine:
-    """The engine a backward call made now by this thread would use."""
+    """The engine a backward call made now by this thread would use (without ``engine=``).
+
+    >>> import pargrad
+    >>> engine = pargrad.SequentialEngine()
+    >>> with pargrad.use_engine(engine):
+    ...     pargrad.current_engine() is engine
+    True
+    """
     stack = _engine_stack()
     return stack[-1] if stack else get_default_engine()
 

@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from pargrad.grad_mode import is_grad_enabled
-from pargrad.graph import BackwardError, Grad, Meta, Node
-from pargrad.tensor import Tensor
+from pargrad.graph import Grad, Meta, Node
+from pargrad.tensor import Tensor, check_saved_data
 
 Rule = Callable[..., Any]
 
@@ -50,10 +50,10 @@ class Op:
     ``needs_values=False`` declares that the rules read only the shapes and dtypes of the
     arguments, never their values or the output's: the node then keeps no arrays alive,
     and its graph can be run backward again without ``retain_graph`` (as in PyTorch).
-    """
 
-    __slots__ = ("argnum_rule", "forward", "multi_output", "name", "needs_values", "node_name",
-                 "rules")
+    Calling an op returns a Tensor (``outputs`` returns the tuple of a multi-output op).
+    ``doc`` becomes the op's ``__doc__``.
+    """
 
     def __init__(
         self,
@@ -64,7 +64,9 @@ class Op:
         argnum_rule: Callable[..., Any] | None = None,
         multi_output: bool = False,
         needs_values: bool = True,
+        doc: str | None = None,
     ) -> None:
+        self.__doc__ = doc or f"The differentiable numpy ``{name}``."
         self.name = name
         self.node_name = "".join(p.capitalize() for p in name.split("_")) + "Backward"
         self.forward = forward
@@ -85,10 +87,14 @@ class Op:
             return self.argnum_rule(i, g, ans, args, **params)
         return self.rules[i](g, ans, *args, **params)
 
-    def __call__(self, *args: Any, **params: Any) -> Any:
+    def __call__(self, *args: Any, **params: Any) -> Tensor:
         """Run the forward on the arguments' arrays; record a node if a gradient is needed."""
+        return self.outputs(*args, **params)[0]
+
+    def outputs(self, *args: Any, **params: Any) -> tuple[Tensor, ...]:
+        """Like calling the op, but return every output (for ``multi_output`` ops)."""
         operands = tuple(_operand(a) for a in args)
-        arrays = [a.data if isinstance(a, Tensor) else a for a in operands]
+        arrays = [array_of(a) for a in operands]
         try:
             out = self.forward(*arrays, **params)
         except (ValueError, IndexError, TypeError) as exc:
@@ -100,8 +106,39 @@ class Op:
                 if isinstance(a, Tensor) and a.requires_grad:
                     node = OpNode(self, operands, params, outs)
                     break
-        results = tuple(Tensor._make(o, node, i) for i, o in enumerate(outs))
-        return results if self.multi_output else results[0]
+        return tuple(Tensor._make(o, node, i) for i, o in enumerate(outs))
+
+
+def array_of(x: Any) -> Any:
+    """The array behind a Tensor; anything else as it is."""
+    return x.data if isinstance(x, Tensor) else x
+
+
+def ndim_of(x: Any) -> int:
+    """The number of dimensions of a Tensor or array-like."""
+    return int(np.ndim(array_of(x)))
+
+
+def normalize_axis(axis: Any, ndim: int, op: str) -> int:
+    """One axis as numpy accepts it (negative counts from the end) -> a non-negative int.
+
+    Raises TypeError for a non-integer and ValueError for an axis out of bounds, both
+    naming ``op``.
+    """
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"{op}: axis must be an integer, got {axis!r}")
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"{op}: axis {axis} is out of bounds for {ndim} dimensions")
+    return int(axis) % ndim
+
+
+def normalize_axes(axes: Any, ndim: int, op: str) -> tuple[int, ...]:
+    """An axis or a sequence of axes -> a tuple of non-negative ints without repeats."""
+    items = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+    out = tuple(normalize_axis(a, ndim, op) for a in items)
+    if len(set(out)) != len(out):
+        raise ValueError(f"{op}: repeated axis in {axes!r}")
+    return out
 
 
 def _operand(a: Any) -> Any:
@@ -127,21 +164,18 @@ def _forward_error(
     operands = "; ".join(_describe(a) for a in arrays)
     extra = "".join(f", {k}={v!r}" for k, v in params.items())
     message = f"{name}: {exc} (operands: {operands}{extra})"
-    for kind in (ValueError, IndexError, TypeError):
-        if isinstance(exc, kind):
-            return kind(message)
-    return ValueError(message)  # pragma: no cover - the except clause lists the kinds
+    kind = next(k for k in (ValueError, IndexError, TypeError) if isinstance(exc, k))
+    return kind(message)
 
 
 class ShapeOf:
     """What a rule may read of an argument whose values it does not need."""
 
-    __slots__ = ("dtype", "ndim", "shape")
+    __slots__ = ("dtype", "shape")
 
     def __init__(self, array: np.ndarray) -> None:
         self.shape = array.shape
         self.dtype = array.dtype
-        self.ndim = array.ndim
 
 
 class OpNode(Node):
@@ -172,7 +206,7 @@ class OpNode(Node):
         super().__init__(tuple(edges), tuple(metas), tuple((o.shape, o.dtype) for o in outs))
         self.op = op
         self.params = params
-        arrays = tuple(a.data if isinstance(a, Tensor) else a for a in args)
+        arrays = tuple(array_of(a) for a in args)
         if op.needs_values:
             self.saved_args: tuple[Any, ...] | None = args
             self.saved_arrays: tuple[Any, ...] | None = arrays
@@ -199,7 +233,8 @@ class OpNode(Node):
         if self.saved_args is not None and outs is not None and is_grad_enabled():
             # Recording a graph of this backward: differentiate through the saved
             # Tensors themselves, and through outputs rebuilt around this very node.
-            args = self._saved_tensors(self.saved_args, args)
+            check_saved_data(self.saved_args, args, "argument")
+            args = self.saved_args
             outs = tuple(Tensor._make(o, self, i) for i, o in enumerate(outs))
         g = grads if self.op.multi_output else grads[0]
         ans = outs if outs is None or self.op.multi_output else outs[0]
@@ -208,22 +243,12 @@ class OpNode(Node):
             for i, (next_node, _) in enumerate(self.next_functions)
         ]
 
-    def _saved_tensors(self, tensors: tuple[Any, ...], arrays: tuple[Any, ...]) -> tuple[Any, ...]:
-        for i, (t, a) in enumerate(zip(tensors, arrays)):
-            if isinstance(t, Tensor) and t.data is not a:
-                raise BackwardError(
-                    self.name(),
-                    f"argument {i} was given new .data after the forward pass, so a graph "
-                    f"of this backward cannot be recorded through it; update tensors only "
-                    f"after the backward that needs them",
-                )
-        return tensors
-
 
 def defop(name: str, forward: Callable[..., Any], *rules: Rule, **options: Any) -> Op:
     """Define an op from its numpy forward and one gradient rule per positional argument.
 
     An op whose forward is a numpy ufunc also serves that ufunc called on Tensors.
+    Options: ``argnum_rule``, ``multi_output``, ``needs_values``, ``doc`` (see ``Op``).
     """
     op = Op(name, forward, rules, **options)
     if isinstance(forward, np.ufunc):
@@ -256,7 +281,7 @@ def implements(*numpy_functions: Callable[..., Any]) -> Callable[[Callable[..., 
 
 def constant(ufunc: Callable[..., Any], *args: Any) -> Tensor:
     """Apply a numpy function to the arrays of ``args``; the result needs no gradient."""
-    return Tensor._make(np.asarray(ufunc(*(a.data if isinstance(a, Tensor) else a for a in args))))
+    return Tensor._make(np.asarray(ufunc(*(array_of(a) for a in args))))
 
 
 def dispatch_ufunc(

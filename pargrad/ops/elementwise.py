@@ -50,7 +50,8 @@ sqrt = defop("sqrt", np.sqrt, lambda g, ans, x: g / (2 * ans))
 # ----- piecewise -----
 # abs'(0) is taken as 0, relu'(0) as 0. maximum/minimum split g evenly on ties.
 abs = defop("absolute", np.absolute, lambda g, ans, x: g * np.sign(x))
-relu = defop("relu", lambda x: np.maximum(x, 0), lambda g, ans, x: g * (x > 0))
+relu = defop("relu", lambda x: np.maximum(x, 0), lambda g, ans, x: g * (x > 0),
+             doc="max(x, 0), elementwise; its gradient at 0 is taken as 0.")
 maximum = defop("maximum", np.maximum,
                 lambda g, ans, x, y: np.where(x == y, g / 2, g * (x > y)),
                 lambda g, ans, x, y: np.where(x == y, g / 2, g * (y > x)))
@@ -63,7 +64,7 @@ _clip = defop("clip", np.clip,
               lambda g, ans, x, lo, hi: g * np.logical_and(x >= lo, x <= hi),
               lambda g, ans, x, lo, hi: g * np.logical_and(x < lo, lo <= hi),
               lambda g, ans, x, lo, hi: g * np.logical_or(x > hi, lo > hi))
-where_ = defop("where", np.where,
+_where = defop("where", np.where,
                nondifferentiable,
                lambda g, ans, c, x, y: np.where(c, g, 0),
                lambda g, ans, c, x, y: np.where(c, 0, g))
@@ -74,11 +75,12 @@ cos = defop("cos", np.cos, lambda g, ans, x: -g * np.sin(x))
 tanh = defop("tanh", np.tanh, lambda g, ans, x: g * (1 - ans * ans))
 # 0.5 * (1 + tanh(x / 2)) is sigmoid without overflow for large |x|.
 sigmoid = defop("sigmoid", lambda x: 0.5 * (1 + np.tanh(0.5 * x)),
-                lambda g, ans, x: g * ans * (1 - ans))
+                lambda g, ans, x: g * ans * (1 - ans),
+                doc="1 / (1 + exp(-x)), elementwise, without overflow.")
 
 # ----- copies and dtype -----
 copy = defop("copy", lambda x: np.array(x, copy=True), lambda g, ans, x: g,
-             needs_values=False)
+             needs_values=False, doc="A copy with its own memory (differentiable).")
 _astype = defop("astype", lambda x, *, dtype: x.astype(dtype),
                 lambda g, ans, x, *, dtype: g.astype(x.dtype), needs_values=False)
 
@@ -96,7 +98,7 @@ def clip(x: Any, a_min: Any = None, a_max: Any = None) -> Tensor:
 @implements(np.where)
 def where(condition: Any, x: Any, y: Any) -> Tensor:
     """``x`` where ``condition`` holds, else ``y`` (differentiable in ``x`` and ``y``)."""
-    return where_(condition, x, y)
+    return _where(condition, x, y)
 
 
 def astype(x: Any, dtype: Any) -> Tensor:

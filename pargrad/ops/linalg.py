@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from pargrad.ops.core import defop, implements
+from pargrad.ops.core import defop, implements, ndim_of, normalize_axes, normalize_axis
 from pargrad.tensor import Tensor
 
 
@@ -34,7 +34,8 @@ def _matmul_rhs(g: Any, ans: Any, a: Any, b: Any) -> Any:
 
 
 # ----- products -----
-matmul = defop("matmul", np.matmul, _matmul_lhs, _matmul_rhs)
+matmul = defop("matmul", np.matmul, _matmul_lhs, _matmul_rhs,
+               doc="Matrix product with numpy's semantics (1-D operands, batch broadcasting).")
 
 # ----- axes -----
 _transpose = defop("transpose", lambda x, *, axes: np.transpose(x, axes),
@@ -45,12 +46,9 @@ _transpose = defop("transpose", lambda x, *, axes: np.transpose(x, axes),
 @implements(np.transpose)
 def transpose(x: Any, axes: Any = None) -> Tensor:
     """Permute the axes (reverse them if ``axes`` is None)."""
-    ndim = np.ndim(x.data if isinstance(x, Tensor) else x)
-    if axes is not None and any(not -ndim <= a < ndim for a in axes):
-        raise ValueError(f"transpose: axes {tuple(axes)!r} are out of bounds for {ndim} "
-                         f"dimensions")
-    perm = tuple(range(ndim))[::-1] if axes is None else tuple(int(a) % ndim for a in axes)
-    if sorted(perm) != list(range(ndim)):
+    ndim = ndim_of(x)
+    perm = tuple(range(ndim))[::-1] if axes is None else normalize_axes(axes, ndim, "transpose")
+    if len(perm) != ndim:
         raise ValueError(f"transpose: axes {axes!r} are not a permutation of {ndim} axes")
     return _transpose(x, axes=perm)
 
@@ -58,10 +56,8 @@ def transpose(x: Any, axes: Any = None) -> Tensor:
 @implements(np.swapaxes)
 def swapaxes(x: Any, axis1: int, axis2: int) -> Tensor:
     """Interchange two axes."""
-    ndim = np.ndim(x.data if isinstance(x, Tensor) else x)
-    for axis in (axis1, axis2):
-        if not -ndim <= axis < ndim:
-            raise ValueError(f"swapaxes: axis {axis} is out of bounds for {ndim} dimensions")
+    ndim = ndim_of(x)
+    a, b = normalize_axis(axis1, ndim, "swapaxes"), normalize_axis(axis2, ndim, "swapaxes")
     perm = list(range(ndim))
-    perm[axis1], perm[axis2] = perm[axis2], perm[axis1]
+    perm[a], perm[b] = perm[b], perm[a]
     return transpose(x, perm)

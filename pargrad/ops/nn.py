@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from pargrad.ops.core import defop
+from pargrad.ops.core import defop, ndim_of, normalize_axis
 from pargrad.ops.reductions import _logsumexp
 from pargrad.tensor import Tensor
 
@@ -29,20 +29,11 @@ _log_softmax_op = defop("log_softmax", _log_softmax,
                             g - np.exp(ans) * np.sum(g, axis=axis, keepdims=True))
 
 
-def _axis(x: Any, axis: int, op: str) -> int:
-    ndim = np.ndim(x.data if isinstance(x, Tensor) else x)
-    if not -ndim <= axis < ndim:
-        raise ValueError(f"{op}: axis {axis} is out of bounds for {ndim} dimensions")
-    return axis % ndim
-
-
 def softmax(x: Any, axis: int = -1) -> Tensor:
     """``exp(x) / sum(exp(x), axis)``, shifted by the maximum so it never overflows."""
-    result: Tensor = _softmax_op(x, axis=_axis(x, axis, "softmax"))
-    return result
+    return _softmax_op(x, axis=normalize_axis(axis, ndim_of(x), "softmax"))
 
 
 def log_softmax(x: Any, axis: int = -1) -> Tensor:
     """``x - logsumexp(x, axis)``: the log of ``softmax`` without its underflow."""
-    result: Tensor = _log_softmax_op(x, axis=_axis(x, axis, "log_softmax"))
-    return result
+    return _log_softmax_op(x, axis=normalize_axis(axis, ndim_of(x), "log_softmax"))

@@ -1,7 +1,7 @@
 """Reductions and their gradient rules.
 
 Every public reduction normalises ``axis`` to a sorted tuple of non-negative axes (or
-None), so a rule only has to put the reduced axes back (``_unreduce``) and broadcast.
+None, for all axes), so a rule only has to put the reduced axes back (``_unreduce``) and broadcast.
 Ties in ``max`` / ``min`` share the gradient evenly: each of k tied maxima gets g / k.
 """
 
@@ -12,25 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from pargrad.ops.core import defop, implements
+from pargrad.ops.core import Op, defop, implements, ndim_of, normalize_axes
 from pargrad.tensor import Tensor
 
 Axis = tuple[int, ...] | None
-
-
-def normalize_axis(axis: Any, ndim: int, op: str) -> Axis:
-    """``axis`` as numpy accepts it (int, tuple or None) -> sorted non-negative tuple or None."""
-    if axis is None:
-        return None
-    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
-    out = []
-    for a in axes:
-        if not -ndim <= a < ndim:
-            raise ValueError(f"{op}: axis {a} is out of bounds for a tensor of dimension {ndim}")
-        out.append(int(a) % ndim)
-    if len(set(out)) != len(out):
-        raise ValueError(f"{op}: repeated axis in {axis!r}")
-    return tuple(sorted(out))
 
 
 def _unreduce(g: Any, axis: Axis, keepdims: bool) -> Any:
@@ -75,10 +60,9 @@ _logsumexp_op = defop("logsumexp", _logsumexp,
                           * np.exp(x - _unreduce(ans, axis, keepdims)))
 
 
-def _reduction(op: Any, x: Any, axis: Any, keepdims: bool) -> Tensor:
-    ndim = np.ndim(x.data if isinstance(x, Tensor) else x)
-    result: Tensor = op(x, axis=normalize_axis(axis, ndim, op.name), keepdims=bool(keepdims))
-    return result
+def _reduction(op: Op, x: Any, axis: Any, keepdims: bool) -> Tensor:
+    axes = None if axis is None else tuple(sorted(normalize_axes(axis, ndim_of(x), op.name)))
+    return op(x, axis=axes, keepdims=bool(keepdims))
 
 
 @implements(np.sum)

@@ -10,22 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from pargrad.ops.core import defop, implements
+from pargrad.ops.core import array_of, defop, implements, ndim_of, normalize_axis
 from pargrad.shapes import sum_to
 from pargrad.tensor import Tensor
-
-
-def _data(x: Any) -> Any:
-    return x.data if isinstance(x, Tensor) else np.asarray(x)
-
-
-def _axis(axis: Any, ndim: int, op: str) -> int:
-    if not isinstance(axis, (int, np.integer)):
-        raise TypeError(f"{op}: axis must be an integer, got {axis!r}")
-    if not -ndim <= axis < ndim:
-        raise ValueError(f"{op}: axis {axis} is out of bounds for {ndim} dimensions")
-    return int(axis) % ndim
-
 
 # Every rule here reads only shapes (needs_values=False): these nodes keep no arrays.
 # ----- reshaping -----
@@ -95,8 +82,9 @@ def concatenate(tensors: Sequence[Any], axis: int | None = 0) -> Tensor:
         raise ValueError("concatenate: need at least one tensor")
     if axis is None:
         return concatenate([reshape(t, -1) for t in tensors], axis=0)
-    axis = _axis(axis, np.ndim(_data(tensors[0])), "concatenate")
-    sizes = [np.shape(_data(t))[axis] if np.ndim(_data(t)) > axis else 0 for t in tensors]
+    axis = normalize_axis(axis, ndim_of(tensors[0]), "concatenate")
+    # A tensor of another rank has no size along axis; numpy's forward then says so.
+    sizes = [np.shape(array_of(t))[axis] if ndim_of(t) > axis else 0 for t in tensors]
     bounds = tuple(int(b) for b in np.cumsum([0, *sizes]))
     return _concatenate(*tensors, axis=axis, bounds=bounds)
 
@@ -106,21 +94,24 @@ def stack(tensors: Sequence[Any], axis: int = 0) -> Tensor:
     """Join tensors along a new axis."""
     if len(tensors) == 0:
         raise ValueError("stack: need at least one tensor")
-    return _stack(*tensors, axis=_axis(axis, np.ndim(_data(tensors[0])) + 1, "stack"))
+    return _stack(*tensors, axis=normalize_axis(axis, ndim_of(tensors[0]) + 1, "stack"))
 
 
 @implements(np.split)
 def split(x: Any, indices_or_sections: Any, axis: int = 0) -> tuple[Tensor, ...]:
     """Split into several tensors along ``axis`` (one node with several outputs)."""
+    axis = normalize_axis(axis, ndim_of(x), "split")
     if isinstance(indices_or_sections, (int, np.integer)):
         sections: int | tuple[int, ...] = int(indices_or_sections)
     else:
-        sections = _ints(indices_or_sections)
+        # As numpy reads them: negative indices count from the end, all clamp to [0, n].
+        n = np.shape(array_of(x))[axis]
+        sections = tuple(min(max(i + n if i < 0 else i, 0), n)
+                         for i in _ints(indices_or_sections))
         if list(sections) != sorted(sections):
-            raise ValueError(f"split: indices {sections} must not decrease")
-    parts: tuple[Tensor, ...] = _split(x, sections=sections, axis=_axis(axis, np.ndim(_data(x)),
-                                                                            "split"))
-    return parts
+            raise ValueError(f"split: indices {_ints(indices_or_sections)} must not decrease "
+                             f"(pieces may not overlap)")
+    return _split.outputs(x, sections=sections, axis=axis)
 
 
 # ----- indexing -----
