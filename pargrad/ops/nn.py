@@ -30,7 +30,12 @@ _log_softmax_op = defop("log_softmax", _log_softmax,
 
 
 def softmax(x: Any, axis: int = -1) -> Tensor:
-    """``exp(x) / sum(exp(x), axis)``, shifted by the maximum so it never overflows."""
+    """``exp(x) / sum(exp(x), axis)``, shifted by the maximum so it never overflows.
+
+    >>> import pargrad
+    >>> pargrad.softmax(pargrad.tensor([0.0, 1000.0]))
+    tensor([0., 1.], dtype=float64)
+    """
     return _softmax_op(x, axis=normalize_axis(axis, ndim_of(x), "softmax"))
 
 

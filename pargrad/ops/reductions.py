@@ -67,7 +67,15 @@ def _reduction(op: Op, x: Any, axis: Any, keepdims: bool) -> Tensor:
 
 @implements(np.sum)
 def sum(x: Any, axis: Any = None, keepdims: bool = False) -> Tensor:
-    """Sum over ``axis`` (all axes if None)."""
+    """Sum over ``axis`` (an int, a tuple, or None for all axes), as ``np.sum``.
+
+    Raises ValueError/TypeError naming ``sum`` for a bad axis.
+
+    >>> import numpy as np, pargrad
+    >>> x = pargrad.tensor(np.ones((2, 3)), requires_grad=True)
+    >>> pargrad.sum(x, axis=1, keepdims=True).shape
+    (2, 1)
+    """
     return _reduction(_sum, x, axis, keepdims)
 
 

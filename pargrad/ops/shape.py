@@ -99,7 +99,18 @@ def stack(tensors: Sequence[Any], axis: int = 0) -> Tensor:
 
 @implements(np.split)
 def split(x: Any, indices_or_sections: Any, axis: int = 0) -> tuple[Tensor, ...]:
-    """Split into several tensors along ``axis`` (one node with several outputs)."""
+    """Split into several tensors along ``axis``: one node with several outputs.
+
+    ``indices_or_sections`` is a number of equal pieces or the indices to cut at, as in
+    ``np.split``; indices whose pieces would overlap raise ValueError.
+
+    >>> import numpy as np, pargrad
+    >>> x = pargrad.tensor(np.arange(4.0), requires_grad=True)
+    >>> first, rest = pargrad.split(x, [1])
+    >>> (rest * 2).sum().backward()   # first is unused: its part of x gets zeros
+    >>> x.grad
+    tensor([0., 2., 2., 2.], dtype=float64)
+    """
     axis = normalize_axis(axis, ndim_of(x), "split")
     if isinstance(indices_or_sections, (int, np.integer)):
         sections: int | tuple[int, ...] = int(indices_or_sections)
