@@ -60,7 +60,7 @@ def main() -> int:
         with pargrad.no_grad():
             for p in params:
                 assert p.grad is not None
-                p.data = p.data - 0.5 * p.grad.data
+                p -= 0.5 * p.grad
                 p.grad = None
         if step == 0:
             first = loss.item()
