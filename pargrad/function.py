@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 
 from pargrad.grad_mode import is_grad_enabled, no_grad
-from pargrad.graph import Grad, Meta, Node
-from pargrad.tensor import Tensor, check_saved_data
+from pargrad.graph import Grad, Node
+from pargrad.tensor import Tensor, check_saved_data, input_edges
 
 
 class FunctionCtx:
@@ -116,11 +116,7 @@ class FunctionNode(Node):
         self, function: type[Function], ctx: FunctionCtx, args: tuple[Any, ...],
         outputs: list[np.ndarray],
     ) -> None:
-        edges = tuple(a._edge() if isinstance(a, Tensor) else (None, 0) for a in args)
-        metas: tuple[Meta | None, ...] = tuple(
-            (a.shape, a.dtype) if isinstance(a, Tensor) and a.requires_grad else None
-            for a in args
-        )
+        edges, metas = input_edges(args)
         super().__init__(edges, metas, tuple((o.shape, o.dtype) for o in outputs))
         self.function = function
         self.ctx = ctx

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pargrad.grad_mode import is_grad_enabled
-from pargrad.graph import AccumulateGrad, Edge, Node
+from pargrad.graph import AccumulateGrad, Edge, Meta, Node
 
 if TYPE_CHECKING:
     from pargrad.engine.base import Engine
@@ -476,6 +476,24 @@ class Tensor:
 
     def swapaxes(self, axis1: int, axis2: int) -> Tensor:
         return _ops.swapaxes(self, axis1, axis2)
+
+
+def input_edges(args: Sequence[Any]) -> tuple[tuple[Edge, ...], tuple[Meta | None, ...]]:
+    """The edges a new node holds to its positional arguments, and their (shape, dtype).
+
+    An argument that is not a Tensor requiring grad gets the edge ``(None, 0)`` and no
+    metadata.
+    """
+    edges: list[Edge] = []
+    metas: list[Meta | None] = []
+    for a in args:
+        if isinstance(a, Tensor) and a._requires_grad:
+            edges.append(a._edge())
+            metas.append((a.shape, a.dtype))
+        else:
+            edges.append((None, 0))
+            metas.append(None)
+    return tuple(edges), tuple(metas)
 
 
 def check_saved_data(saved: Sequence[Any], arrays: Sequence[Any], what: str) -> None:

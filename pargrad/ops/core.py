@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from pargrad.grad_mode import is_grad_enabled
-from pargrad.graph import Grad, Meta, Node
-from pargrad.tensor import Tensor, check_saved_data
+from pargrad.graph import Grad, Node
+from pargrad.tensor import Tensor, check_saved_data, input_edges
 
 Rule = Callable[..., Any]
 
@@ -192,18 +192,12 @@ class OpNode(Node):
     def __init__(
         self, op: Op, args: tuple[Any, ...], params: dict[str, Any], outs: tuple[np.ndarray, ...]
     ) -> None:
-        edges = []
-        metas: list[Meta | None] = []
-        for i, a in enumerate(args):
-            if isinstance(a, Tensor) and a.requires_grad:
-                if not op.has_rule(i):  # fail in the forward, where the call is visible
-                    raise TypeError(f"{op.name}: no gradient rule for argument {i}")
-                edges.append(a._edge())
-                metas.append((a.shape, a.dtype))
-            else:
-                edges.append((None, 0))
-                metas.append(None)
-        super().__init__(tuple(edges), tuple(metas), tuple((o.shape, o.dtype) for o in outs))
+        edges, metas = input_edges(args)
+        for i, (next_node, _) in enumerate(edges):
+            if next_node is not None and not op.has_rule(i):
+                # Fail in the forward, where the call is visible.
+                raise TypeError(f"{op.name}: no gradient rule for argument {i}")
+        super().__init__(edges, metas, tuple((o.shape, o.dtype) for o in outs))
         self.op = op
         self.params = params
         arrays = tuple(array_of(a) for a in args)
