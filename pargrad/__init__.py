@@ -9,9 +9,11 @@ tensor([5., 7.], dtype=float64)
 """
 
 from pargrad.autograd import backward
+from pargrad.devices import Device, device
 from pargrad.engine import (
     Engine,
     SequentialEngine,
+    ThreadedEngine,
     current_engine,
     get_default_engine,
     set_default_engine,
@@ -58,6 +60,7 @@ from pargrad.ops import (
     sum,
     swapaxes,
     tanh,
+    to,
     transpose,
     where,
 )
@@ -66,12 +69,13 @@ from pargrad.tensor import Tensor, tensor
 __version__ = "0.1.0"
 
 __all__ = [
-    "AccumulateGrad", "BackwardError", "Engine", "Function", "FunctionCtx", "GradcheckError",
-    "Node", "SequentialEngine", "Tensor", "abs", "add", "astype", "backward", "broadcast_to",
-    "clip", "concatenate", "copy", "cos", "current_engine", "divide", "enable_grad", "exp",
-    "expand_dims", "get_default_engine", "gradcheck", "is_grad_enabled", "log", "log_softmax",
-    "logsumexp", "matmul", "max", "maximum", "mean", "min", "minimum", "multiply", "negative",
-    "no_grad", "power", "relu", "reshape", "set_default_engine", "set_grad_enabled", "sigmoid",
-    "sin", "softmax", "split", "sqrt", "squeeze", "stack", "subtract", "sum", "swapaxes", "tanh",
-    "tensor", "transpose", "use_engine", "where",
+    "AccumulateGrad", "BackwardError", "Device", "Engine", "Function", "FunctionCtx",
+    "GradcheckError", "Node", "SequentialEngine", "Tensor", "ThreadedEngine", "abs", "add",
+    "astype", "backward", "broadcast_to", "clip", "concatenate", "copy", "cos",
+    "current_engine", "device", "divide", "enable_grad", "exp", "expand_dims",
+    "get_default_engine", "gradcheck", "is_grad_enabled", "log", "log_softmax", "logsumexp",
+    "matmul", "max", "maximum", "mean", "min", "minimum", "multiply", "negative", "no_grad",
+    "power", "relu", "reshape", "set_default_engine", "set_grad_enabled", "sigmoid", "sin",
+    "softmax", "split", "sqrt", "squeeze", "stack", "subtract", "sum", "swapaxes", "tanh",
+    "tensor", "to", "transpose", "use_engine", "where",
 ]

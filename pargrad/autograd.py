@@ -105,7 +105,7 @@ def _root_grad(i: int, root: Tensor, grad: Any, create_graph: bool) -> Grad:
                 f"{root.dtype}; cast it with .astype(np.{root.dtype})"
             )
     if create_graph:
-        return grad if isinstance(grad, Tensor) else Tensor._make(array)
+        return grad if isinstance(grad, Tensor) else Tensor._make(array, device=root.device)
     return array
 
 
@@ -123,6 +123,6 @@ def _commit(captured: dict[AccumulateGrad, Grad], create_graph: bool) -> None:
             if create_graph:
                 leaf._grad = copy(grad) if old is None else accumulate(old, False, copy(grad))[0]
             elif old is None:
-                leaf._grad = Tensor._make(np.array(grad))
+                leaf._grad = Tensor._make(np.array(grad), device=leaf.device)
             else:
-                leaf._grad = Tensor._make(accumulate(old.data, False, grad)[0])
+                leaf._grad = Tensor._make(accumulate(old.data, False, grad)[0], device=leaf.device)

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from pargrad.devices import Device, common_device
 from pargrad.grad_mode import is_grad_enabled, no_grad
 from pargrad.graph import Grad, Node
 from pargrad.tensor import Tensor, check_saved_data, input_edges
@@ -97,11 +98,12 @@ class Function:
         several = isinstance(result, tuple)
         arrays = [np.asarray(r.data if isinstance(r, Tensor) else r)
                   for r in (result if several else (result,))]
+        on = common_device(args, f"{cls.__name__}.apply")
         node: Node | None = None
         if is_grad_enabled() and any(needs):
-            node = FunctionNode(cls, ctx, args, arrays)
+            node = FunctionNode(cls, ctx, args, arrays, on)
         outputs = tuple(
-            Tensor._make(a, node if a.dtype.kind == "f" else None, i)
+            Tensor._make(a, node if a.dtype.kind == "f" else None, i, on)
             for i, a in enumerate(arrays)
         )
         return outputs if several else outputs[0]
@@ -114,10 +116,10 @@ class FunctionNode(Node):
 
     def __init__(
         self, function: type[Function], ctx: FunctionCtx, args: tuple[Any, ...],
-        outputs: list[np.ndarray],
+        outputs: list[np.ndarray], device: Device,
     ) -> None:
         edges, metas = input_edges(args)
-        super().__init__(edges, metas, tuple((o.shape, o.dtype) for o in outputs))
+        super().__init__(edges, metas, tuple((o.shape, o.dtype) for o in outputs), device)
         self.function = function
         self.ctx = ctx
 
@@ -130,7 +132,8 @@ class FunctionNode(Node):
         return had_saved
 
     def backward(self, grads: tuple[Grad, ...]) -> list[Grad | None]:
-        wrapped = [g if isinstance(g, Tensor) else Tensor._make(np.asarray(g)) for g in grads]
+        wrapped = [g if isinstance(g, Tensor) else Tensor._make(np.asarray(g), device=self.device)
+                   for g in grads]
         result = self.function.backward(self.ctx, *wrapped)
         results = tuple(result) if isinstance(result, (tuple, list)) else (result,)
         keep_tensors = is_grad_enabled()

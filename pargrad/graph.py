@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pargrad.devices import CPU, Device
 from pargrad.shapes import sum_to
 
 if TYPE_CHECKING:
@@ -56,6 +57,7 @@ class BackwardError(RuntimeError):
     def __init__(self, node_name: str, message: str) -> None:
         super().__init__(f"{node_name}: {message}")
         self.node_name = node_name
+        self.detail = message
 
 
 class Node:
@@ -71,19 +73,21 @@ class Node:
     while it runs; engines enable it only for ``create_graph=True``.
     """
 
-    __slots__ = ("__weakref__", "_input_meta", "_output_meta", "_released", "next_functions",
-                 "sequence_nr")
+    __slots__ = ("__weakref__", "_input_meta", "_output_meta", "_released", "device",
+                 "next_functions", "sequence_nr")
 
     def __init__(
         self,
         next_functions: tuple[Edge, ...],
         input_meta: tuple[Meta | None, ...],
         output_meta: tuple[Meta, ...],
+        device: Device = CPU,
     ) -> None:
         self.next_functions = next_functions
         self._input_meta = input_meta
         self._output_meta = output_meta
         self._released = False
+        self.device = device
         self.sequence_nr = next_sequence_nr()
 
     def name(self) -> str:
@@ -183,7 +187,7 @@ class AccumulateGrad(Node):
     __slots__ = ("variable",)
 
     def __init__(self, variable: Tensor) -> None:
-        super().__init__((), (), ((variable.shape, variable.dtype),))
+        super().__init__((), (), ((variable.shape, variable.dtype),), variable.device)
         self.variable = variable
 
 
@@ -192,7 +196,12 @@ class Dependencies:
 
     For every node reachable from the roots, one counter per output: how many edges
     still have to deliver a gradient to that output. A node is ready when the counters
-    of all its outputs are zero. Not thread-safe: a parallel engine serialises calls.
+    of all its outputs are zero.
+
+    Thread-safety: ``counts`` gains no keys after construction, and ``is_ready(node)`` /
+    ``release(node, ...)`` read and write only ``counts[node]``. Calls for one node must
+    be serialised (a parallel engine holds that node's buffer lock); calls for different
+    nodes may run concurrently.
     """
 
     __slots__ = ("counts",)

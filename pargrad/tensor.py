@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pargrad.devices import CPU, Device
+from pargrad.devices import device as as_device
 from pargrad.grad_mode import is_grad_enabled
 from pargrad.graph import AccumulateGrad, Edge, Meta, Node
 
@@ -47,24 +49,29 @@ class Tensor:
         grad: accumulated gradient of a leaf (a Tensor or None; set to None to reset).
         grad_fn: the Node that produced this tensor, ``None`` for leaves.
         output_nr: which output of ``grad_fn`` this tensor is.
+        device: the Device its data lives on (``pargrad.device("cpu")`` by default).
 
     Not thread-safe for concurrent mutation of the same tensor; concurrent reads and
     graph building from several threads are fine.
     """
 
-    __slots__ = ("__weakref__", "_accumulator", "_grad", "_requires_grad", "data", "grad_fn",
-                 "output_nr")
+    __slots__ = ("__weakref__", "_accumulator", "_device", "_grad", "_requires_grad", "data",
+                 "grad_fn", "output_nr")
 
     data: np.ndarray
     grad_fn: Node | None
+    _device: Device  # set when the tensor is made, never changed
     _grad: Tensor | None  # guarded by grad_lock
     _accumulator: weakref.ref[AccumulateGrad] | None  # guarded by _accumulator_lock
 
-    def __init__(self, data: Any, requires_grad: bool = False, dtype: Any = None) -> None:
+    def __init__(
+        self, data: Any, requires_grad: bool = False, dtype: Any = None, device: Any = None
+    ) -> None:
         array = np.array(data.data if isinstance(data, Tensor) else data, dtype=dtype)
         if requires_grad:
             _check_can_require_grad(array.dtype)
         self.data = array
+        self._device = CPU if device is None else as_device(device)
         self._requires_grad = bool(requires_grad)
         self.grad_fn = None
         self.output_nr = 0
@@ -73,11 +80,18 @@ class Tensor:
 
     @classmethod
     def _make(
-        cls, data: np.ndarray, grad_fn: Node | None = None, output_nr: int = 0
+        cls, data: np.ndarray, grad_fn: Node | None = None, output_nr: int = 0,
+        device: Device | None = None,
     ) -> Tensor:
-        """Wrap an array without copying (internal fast path)."""
+        """Wrap an array without copying (internal fast path).
+
+        The tensor is on ``device`` if given, else on its ``grad_fn``'s device, else CPU.
+        """
         t = object.__new__(cls)
         t.data = data
+        if device is None:
+            device = CPU if grad_fn is None else grad_fn.device
+        t._device = device
         t._requires_grad = grad_fn is not None
         t.grad_fn = grad_fn
         t.output_nr = output_nr
@@ -121,6 +135,11 @@ class Tensor:
                     f"assigned grad has dtype {value.dtype}, but the tensor has dtype "
                     f"{self.dtype}"
                 )
+            if value.device is not self._device:
+                raise ValueError(
+                    f"assigned grad is on {value.device}, but the tensor is on "
+                    f"{self._device}; move it with .to()"
+                )
         with grad_lock:
             self._grad = value
 
@@ -139,8 +158,29 @@ class Tensor:
         return self
 
     def detach(self) -> Tensor:
-        """A new leaf sharing this tensor's data, cut off from the graph."""
-        return Tensor._make(self.data)
+        """A new leaf sharing this tensor's data (and device), cut off from the graph."""
+        return Tensor._make(self.data, device=self._device)
+
+    @property
+    def device(self) -> Device:
+        """The device this tensor's data lives on; its backward nodes run there."""
+        return self._device
+
+    def to(self, device: str | Device) -> Tensor:
+        """This tensor on ``device``: itself if it is already there, else a copy there.
+
+        The copy is differentiable: its gradient flows back to this tensor's device.
+
+        >>> import pargrad
+        >>> x = pargrad.tensor([1.0, 2.0], requires_grad=True)
+        >>> y = x.to("cpu:1")
+        >>> y.device, y.grad_fn.name()
+        (device('cpu:1'), 'ToBackward')
+        >>> (y * 3).sum().backward()
+        >>> x.grad
+        tensor([3., 3.], dtype=float64)
+        """
+        return _ops.to(self, device)
 
     def _edge(self) -> Edge:
         """The edge a new node should hold to send this tensor its gradient."""
@@ -235,6 +275,8 @@ class Tensor:
     def __repr__(self) -> str:
         body = np.array2string(self.data, separator=", ", prefix="tensor(")
         extra = f", dtype={self.data.dtype}"
+        if self._device is not CPU:
+            extra += f", device='{self._device}'"
         if self.grad_fn is not None:
             extra += f", grad_fn=<{self.grad_fn.name()}>"
         elif self.requires_grad:
@@ -251,7 +293,7 @@ class Tensor:
                 "detach() it first"
             )
         grad = None if self._grad is None else self._grad.detach()
-        return (_rebuild_leaf, (self.data, self._requires_grad, grad))
+        return (_rebuild_leaf, (self.data, self._requires_grad, grad, self._device))
 
     # ----- numpy interoperability -----
 
@@ -510,23 +552,27 @@ def check_saved_data(saved: Sequence[Any], arrays: Sequence[Any], what: str) -> 
             )
 
 
-def _rebuild_leaf(data: np.ndarray, requires_grad: bool, grad: Tensor | None) -> Tensor:
-    leaf = Tensor._make(data)
+def _rebuild_leaf(data: np.ndarray, requires_grad: bool, grad: Tensor | None,
+                  on: Device = CPU) -> Tensor:
+    leaf = Tensor._make(data, device=on)
     leaf._requires_grad = requires_grad
     leaf._grad = grad
     return leaf
 
 
-def tensor(data: Any, requires_grad: bool = False, dtype: Any = None) -> Tensor:
-    """Make a leaf Tensor from array-like ``data`` (always copied).
+def tensor(
+    data: Any, requires_grad: bool = False, dtype: Any = None, device: Any = None
+) -> Tensor:
+    """Make a leaf Tensor from array-like ``data`` (always copied), on ``device``.
 
     Python floats become float64 as in numpy. Only floating dtypes may require grad.
+    ``device`` is a name such as ``"cpu:1"`` or a Device; the default is ``"cpu"``.
 
     >>> import pargrad
     >>> pargrad.tensor([1.0, 2.0], requires_grad=True)
     tensor([1., 2.], dtype=float64, requires_grad=True)
     """
-    return Tensor(data, requires_grad=requires_grad, dtype=dtype)
+    return Tensor(data, requires_grad=requires_grad, dtype=dtype, device=device)
 
 
 # Imported last: the ops build Tensors, and Tensor's operators call the ops.

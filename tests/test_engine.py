@@ -196,7 +196,7 @@ def test_accumulation_does_not_write_into_the_previous_grad(engine: pargrad.Engi
 
 # ----- order -----
 
-def test_nodes_run_in_reverse_creation_order(engine: pargrad.Engine) -> None:
+def test_nodes_run_in_reverse_creation_order(in_order_engine: pargrad.Engine) -> None:
     Log.calls = []
     x = leaf(1.0)
     a = Log.apply(x, "a")
@@ -207,7 +207,7 @@ def test_nodes_run_in_reverse_creation_order(engine: pargrad.Engine) -> None:
     assert Log.calls == ["d", "c", "b", "a"]
 
 
-def test_canonical_summation_order(engine: pargrad.Engine) -> None:
+def test_canonical_summation_order(canonical_engine: pargrad.Engine) -> None:
     # Float addition is not associative: 1 + 1e16 - 1e16 is 0 but -1e16 + 1e16 + 1 is 1.
     # Contributions are summed by descending sequence number of the producing node,
     # so the newest consumer's gradient (-1e16) comes first.
@@ -230,7 +230,8 @@ class Three(pargrad.Function):
         return g * 1.0, g * 1e16, g * -1e16
 
 
-def test_edges_of_one_producer_are_summed_in_edge_order(engine: pargrad.Engine) -> None:
+def test_edges_of_one_producer_are_summed_in_edge_order(
+        canonical_engine: pargrad.Engine) -> None:
     x = leaf(1.0)
     Three.apply(x, x, x).backward()
     assert x.grad.item() == (1.0 + 1e16) + -1e16 == 0.0  # reversed order would give 1.0

@@ -17,6 +17,11 @@ from tests.strategies import GraphRecipe, graph_recipes
 shared_fixture = settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
+def ordered(engine: pargrad.Engine) -> bool:
+    """Whether ``engine`` promises the canonical summation order on every graph."""
+    return isinstance(engine, pargrad.SequentialEngine) or getattr(engine, "deterministic", False)
+
+
 def run(recipe: GraphRecipe, engine: pargrad.Engine, repeats: int = 1) -> list[pargrad.Tensor]:
     leaves = [pargrad.tensor(a, requires_grad=flag)
               for a, flag in zip(recipe.leaves, recipe.requires_grad)]
@@ -64,4 +69,9 @@ def test_repeated_backward_accumulates(recipe: GraphRecipe, engine: pargrad.Engi
             assert b.grad is None
         else:
             assert b.grad.dtype == a.dtype
-            np.testing.assert_array_equal(b.grad.data, (a.grad.data + a.grad.data) + a.grad.data)
+            expected = (a.grad.data + a.grad.data) + a.grad.data
+            if ordered(engine):
+                np.testing.assert_array_equal(b.grad.data, expected)
+            else:  # arrival order may differ from call to call
+                rtol = 1e-5 if a.dtype == np.float32 else 1e-12
+                np.testing.assert_allclose(b.grad.data, expected, rtol=rtol, atol=rtol)

@@ -1,4 +1,5 @@
-"""Backward engines: the Engine interface and the sequential reference engine."""
+"""Backward engines: the Engine interface, the sequential reference engine and the
+threaded engine."""
 
 from pargrad.engine.base import (
     Engine,
@@ -8,8 +9,9 @@ from pargrad.engine.base import (
     use_engine,
 )
 from pargrad.engine.sequential import SequentialEngine
+from pargrad.engine.threaded import ThreadedEngine
 
 __all__ = [
-    "Engine", "SequentialEngine", "current_engine", "get_default_engine",
+    "Engine", "SequentialEngine", "ThreadedEngine", "current_engine", "get_default_engine",
     "set_default_engine", "use_engine",
 ]

@@ -12,6 +12,7 @@ Which engine runs a backward: the ``engine=`` argument if given, else the innerm
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
@@ -20,7 +21,10 @@ from pargrad.graph import AccumulateGrad, Edge, Grad
 
 
 class Engine(ABC):
-    """Runs the backward pass of one call. Subclasses: SequentialEngine (the reference)."""
+    """Runs the backward pass of one call.
+
+    Subclasses: ``SequentialEngine`` (the reference) and ``ThreadedEngine`` (the default).
+    """
 
     @abstractmethod
     def execute(
@@ -49,8 +53,17 @@ _default_engine: Engine | None = None
 _local = threading.local()
 
 
+ENGINE_VARIABLE = "PARGRAD_ENGINE"
+"""The environment variable that picks the default engine: ``threaded`` (the default)
+or ``sequential`` (the reference, for debugging). Read when the default is first made."""
+
+
 def get_default_engine() -> Engine:
-    """The process-wide default engine (a SequentialEngine unless changed). Thread-safe.
+    """The process-wide default engine. Thread-safe.
+
+    A ``ThreadedEngine`` with the default workers, unless ``set_default_engine`` chose
+    another, or the environment variable ``PARGRAD_ENGINE`` is ``sequential`` (then a
+    ``SequentialEngine``). Raises ValueError if ``PARGRAD_ENGINE`` has another value.
 
     >>> import pargrad
     >>> isinstance(pargrad.get_default_engine(), pargrad.Engine)
@@ -59,10 +72,23 @@ def get_default_engine() -> Engine:
     global _default_engine
     with _default_lock:
         if _default_engine is None:
-            from pargrad.engine.sequential import SequentialEngine
-
-            _default_engine = SequentialEngine()
+            _default_engine = _engine_from_environment()
         return _default_engine
+
+
+def _engine_from_environment() -> Engine:
+    from pargrad.engine.sequential import SequentialEngine
+    from pargrad.engine.threaded import ThreadedEngine
+
+    choice = os.environ.get(ENGINE_VARIABLE, "threaded").strip().lower()
+    if choice in ("", "threaded"):
+        return ThreadedEngine()
+    if choice == "sequential":
+        return SequentialEngine()
+    raise ValueError(
+        f"{ENGINE_VARIABLE}={os.environ[ENGINE_VARIABLE]!r} is not an engine; use "
+        f"'threaded' (the default) or 'sequential' (the reference engine)"
+    )
 
 
 def set_default_engine(engine: Engine) -> None:

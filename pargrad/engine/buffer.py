@@ -1,5 +1,10 @@
 """Gradient accumulation: the one place where gradients are added together.
 
+``InputBuffer`` sums the gradients of one node in the order they arrive;
+``OrderedInputBuffer`` sums them in the canonical order of docs/design.md §4 whatever
+the order of arrival (the threaded engine's deterministic mode). Neither takes a lock:
+the engine guards each buffer with the lock of its node.
+
 ``accumulate`` adds a gradient to a running sum. The first gradient is kept by
 reference; the second makes a new array that the accumulator owns, and later ones are
 added into that array in place. An array that a caller, a node or another edge can see
@@ -9,9 +14,15 @@ graph) are added out of place, by the differentiable ``add``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from pargrad.graph import Grad
+
+Key = tuple[int, ...]
+"""Where a contribution sits in the canonical order: ``(0, root_index)`` for a root
+gradient, ``(1, -producer.sequence_nr, edge_index)`` for one sent along an edge."""
 
 
 def accumulate(total: Grad | None, owned: bool, grad: Grad) -> tuple[Grad, bool]:
@@ -39,8 +50,11 @@ class InputBuffer:
         self._sums: list[Grad | None] = [None] * num_outputs
         self._owned = [False] * num_outputs
 
-    def accumulate(self, output_nr: int, grad: Grad | None) -> None:
-        """Add ``grad`` (ignored if None) to the sum for output ``output_nr``."""
+    def accumulate(self, output_nr: int, grad: Grad | None, key: Key | None = None) -> None:
+        """Add ``grad`` (ignored if None) to the sum for output ``output_nr``.
+
+        ``key`` is ignored: gradients are summed in arrival order.
+        """
         if grad is not None:
             self._sums[output_nr], self._owned[output_nr] = accumulate(
                 self._sums[output_nr], self._owned[output_nr], grad
@@ -49,4 +63,37 @@ class InputBuffer:
     def take(self) -> list[Grad | None]:
         """Hand over the sums; the buffer must not be used afterwards."""
         sums, self._sums = self._sums, []
+        return sums
+
+
+class OrderedInputBuffer:
+    """Like ``InputBuffer``, but sums in key order, whatever the order of arrival.
+
+    Contributions are kept until ``take``, which sorts them by key and folds them left
+    through ``accumulate``, exactly as the reference engine would have added them. This
+    costs memory: a node's contributions are all alive until it runs.
+    """
+
+    __slots__ = ("_parts",)
+
+    def __init__(self, num_outputs: int) -> None:
+        self._parts: list[list[tuple[Key, Any]]] = [[] for _ in range(num_outputs)]
+
+    def accumulate(self, output_nr: int, grad: Grad | None, key: Key | None = None) -> None:
+        """Keep ``grad`` (ignored if None) for output ``output_nr`` at position ``key``."""
+        if grad is not None:
+            assert key is not None, "an ordered buffer needs the key of each contribution"
+            self._parts[output_nr].append((key, grad))
+
+    def take(self) -> list[Grad | None]:
+        """Fold each output's contributions in key order; the buffer is spent afterwards."""
+        sums: list[Grad | None] = []
+        for parts in self._parts:
+            parts.sort(key=lambda part: part[0])
+            total: Grad | None = None
+            owned = False
+            for _, grad in parts:
+                total, owned = accumulate(total, owned, grad)
+            sums.append(total)
+        self._parts = []
         return sums

@@ -22,6 +22,7 @@ from pargrad.ops.elementwise import (
     sqrt,
     subtract,
     tanh,
+    to,
     where,
 )
 from pargrad.ops.linalg import matmul, swapaxes, transpose
@@ -43,5 +44,6 @@ __all__ = [
     "defop", "dispatch_function", "dispatch_ufunc", "divide", "exp", "expand_dims", "getitem",
     "log", "log_softmax", "logsumexp", "matmul", "max", "maximum", "mean", "min", "minimum",
     "multiply", "negative", "power", "relu", "reshape", "sigmoid", "sin", "softmax", "split",
-    "sqrt", "squeeze", "stack", "subtract", "sum", "swapaxes", "tanh", "transpose", "where",
+    "sqrt", "squeeze", "stack", "subtract", "sum", "swapaxes", "tanh", "to", "transpose",
+    "where",
 ]

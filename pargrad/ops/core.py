@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from pargrad.devices import Device, common_device
 from pargrad.grad_mode import is_grad_enabled
 from pargrad.graph import Grad, Node
 from pargrad.tensor import Tensor, check_saved_data, input_edges
@@ -51,6 +52,9 @@ class Op:
     arguments, never their values or the output's: the node then keeps no arrays alive,
     and its graph can be run backward again without ``retain_graph`` (as in PyTorch).
 
+    Outputs are on the device of the Tensor operands, which must agree; an op made with
+    ``moves_device=True`` (``to``) puts them on its ``device=`` parameter instead.
+
     Calling an op returns a Tensor (``outputs`` returns the tuple of a multi-output op).
     ``doc`` becomes the op's ``__doc__``.
     """
@@ -64,6 +68,7 @@ class Op:
         argnum_rule: Callable[..., Any] | None = None,
         multi_output: bool = False,
         needs_values: bool = True,
+        moves_device: bool = False,
         doc: str | None = None,
     ) -> None:
         self.__doc__ = doc or f"The differentiable numpy ``{name}``."
@@ -74,6 +79,7 @@ class Op:
         self.argnum_rule = argnum_rule
         self.multi_output = multi_output
         self.needs_values = needs_values
+        self.moves_device = moves_device
 
     def __repr__(self) -> str:
         return f"<pargrad op {self.name}>"
@@ -100,13 +106,14 @@ class Op:
         except (ValueError, IndexError, TypeError) as exc:
             raise _forward_error(self.name, exc, arrays, params) from exc
         outs = tuple(np.asarray(o) for o in out) if self.multi_output else (np.asarray(out),)
+        on = params["device"] if self.moves_device else common_device(operands, self.name)
         node: Node | None = None
         if outs[0].dtype.kind == "f" and is_grad_enabled():
             for a in operands:
                 if isinstance(a, Tensor) and a.requires_grad:
-                    node = OpNode(self, operands, params, outs)
+                    node = OpNode(self, operands, params, outs, on)
                     break
-        return tuple(Tensor._make(o, node, i) for i, o in enumerate(outs))
+        return tuple(Tensor._make(o, node, i, on) for i, o in enumerate(outs))
 
 
 def array_of(x: Any) -> Any:
@@ -190,14 +197,15 @@ class OpNode(Node):
     __slots__ = ("op", "params", "saved_args", "saved_arrays", "saved_outputs")
 
     def __init__(
-        self, op: Op, args: tuple[Any, ...], params: dict[str, Any], outs: tuple[np.ndarray, ...]
+        self, op: Op, args: tuple[Any, ...], params: dict[str, Any], outs: tuple[np.ndarray, ...],
+        device: Device,
     ) -> None:
         edges, metas = input_edges(args)
         for i, (next_node, _) in enumerate(edges):
             if next_node is not None and not op.has_rule(i):
                 # Fail in the forward, where the call is visible.
                 raise TypeError(f"{op.name}: no gradient rule for argument {i}")
-        super().__init__(edges, metas, tuple((o.shape, o.dtype) for o in outs))
+        super().__init__(edges, metas, tuple((o.shape, o.dtype) for o in outs), device)
         self.op = op
         self.params = params
         arrays = tuple(array_of(a) for a in args)
@@ -275,7 +283,8 @@ def implements(*numpy_functions: Callable[..., Any]) -> Callable[[Callable[..., 
 
 def constant(ufunc: Callable[..., Any], *args: Any) -> Tensor:
     """Apply a numpy function to the arrays of ``args``; the result needs no gradient."""
-    return Tensor._make(np.asarray(ufunc(*(array_of(a) for a in args))))
+    on = common_device(args, getattr(ufunc, "__name__", "constant"))
+    return Tensor._make(np.asarray(ufunc(*(array_of(a) for a in args))), device=on)
 
 
 def dispatch_ufunc(

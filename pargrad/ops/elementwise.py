@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from pargrad.devices import Device, device
 from pargrad.ops.core import defop, implements, nondifferentiable
 from pargrad.tensor import Tensor
 
@@ -85,6 +86,27 @@ _astype = defop("astype", lambda x, *, dtype: x.astype(dtype),
                 lambda g, ans, x, *, dtype: g.astype(x.dtype), needs_values=False)
 
 implements(np.copy)(copy)
+
+# ----- devices -----
+# The rule returns the gradient on the source device: a plain array needs no move, a
+# Tensor (a backward recording its graph) moves back with a recorded copy.
+_to = defop("to", lambda x, *, device, source: np.array(x, copy=True),
+            lambda g, ans, x, *, device, source: to(g, source) if isinstance(g, Tensor) else g,
+            needs_values=False, moves_device=True)
+
+
+def to(x: Any, device_: str | Device) -> Tensor:
+    """``x`` on ``device_``: ``x`` itself if it is a Tensor already there, else a copy there.
+
+    Differentiable: the gradient of the copy flows back to ``x`` on ``x``'s device.
+    Raises ValueError / TypeError for a device name that is not understood.
+    """
+    target = device(device_)
+    source = x.device if isinstance(x, Tensor) else device("cpu")
+    if isinstance(x, Tensor) and source is target:
+        return x
+    return _to(x, device=target, source=source)
+
 
 
 @implements(np.clip)

@@ -1,0 +1,122 @@
+"""Devices: where a tensor's data lives and which ready queue runs its backward nodes.
+
+pargrad has one array backend today, numpy, and one device type, ``cpu``. A CPU can be
+split into *logical* devices, ``cpu:0`` (the default, printed ``cpu``), ``cpu:1`` and so
+on: their arrays are all numpy arrays in the same memory, but the threaded engine gives
+each its own ready queue and worker threads, so a part of a model placed on ``cpu:1``
+runs its backward on threads of its own. ``Tensor.to(device)`` moves a tensor (a
+differentiable copy).
+
+The interface is kept open for another array backend (CuPy on a GPU, say): a device
+names its array module in ``xp``, and nothing outside this module assumes that it is
+numpy. Building such a backend means a new device type here, a copy between array
+modules in ``to``, and rules that call ``xp`` instead of ``np``; no engine change.
+"""
+
+from __future__ import annotations
+
+import threading
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+DEVICE_TYPES = ("cpu",)
+
+
+class Device:
+    """A device: a type (``"cpu"``) and an index. Compare with ``==``; hashable.
+
+    Devices are interned: ``pargrad.device("cpu:1") is pargrad.device("cpu:1")``.
+
+    >>> import pargrad
+    >>> pargrad.device("cpu"), pargrad.device("cpu:1")
+    (device('cpu'), device('cpu:1'))
+    >>> pargrad.device("cpu:0") is pargrad.device("cpu")
+    True
+    """
+
+    __slots__ = ("index", "type")
+
+    type: str
+    index: int
+
+    def __init__(self, type: str, index: int) -> None:
+        object.__setattr__(self, "type", type)
+        object.__setattr__(self, "index", index)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("Device objects are immutable")
+
+    @property
+    def xp(self) -> ModuleType:
+        """The array module that holds this device's data (numpy for ``cpu``)."""
+        return np
+
+    def __str__(self) -> str:
+        return self.type if self.index == 0 else f"{self.type}:{self.index}"
+
+    def __repr__(self) -> str:
+        return f"device('{self}')"
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (device, (str(self),))
+
+
+# Guards _devices: interning must hand every thread the same object for one name.
+_devices_lock = threading.Lock()
+_devices: dict[tuple[str, int], Device] = {}
+
+
+def device(spec: str | Device) -> Device:
+    """The device named by ``spec``: ``"cpu"``, ``"cpu:N"`` (N >= 0) or a Device.
+
+    Raises ValueError for an unknown device type or a malformed index, and TypeError
+    for anything that is not a string or a Device. Thread-safe.
+    """
+    if isinstance(spec, Device):
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(f"a device is named by a string such as 'cpu:1', got {spec!r}")
+    kind, _, index_text = spec.strip().partition(":")
+    if kind not in DEVICE_TYPES:
+        raise ValueError(
+            f"unknown device type {kind!r} in {spec!r}; pargrad has "
+            f"{', '.join(repr(t) for t in DEVICE_TYPES)} devices ('cpu', 'cpu:1', ...)"
+        )
+    if index_text == "":
+        index = 0
+    elif index_text.isdigit():
+        index = int(index_text)
+    else:
+        raise ValueError(f"device index in {spec!r} must be a non-negative integer")
+    with _devices_lock:
+        found = _devices.get((kind, index))
+        if found is None:
+            found = _devices[(kind, index)] = Device(kind, index)
+        return found
+
+
+CPU = device("cpu")
+"""The default device: tensors are made here unless a device is given."""
+
+
+def common_device(values: Any, where: str) -> Device:
+    """The one device of the Tensors among ``values`` (CPU if there are none).
+
+    Raises RuntimeError, naming ``where``, if Tensors on different devices are mixed.
+    Anything without a ``device`` attribute (arrays, numbers) fits any device.
+    """
+    found: Device | None = None
+    for v in values:
+        d = getattr(v, "_device", None)
+        if d is None or d is found:
+            continue
+        if found is None:
+            found = d
+        else:
+            raise RuntimeError(
+                f"{where}: expected all tensors on one device, but found {found} and {d}; "
+                f"move them with .to(device)"
+            )
+    return CPU if found is None else found

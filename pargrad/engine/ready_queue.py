@@ -1,0 +1,89 @@
+"""ReadyQueue: the work of one device that is ready to run, best first.
+
+Guarantees:
+- ``put`` and ``get`` may be called from any number of threads; each item is returned
+  by exactly one ``get``.
+- Order: an item of a deeper reentrant backward first (its caller is blocked on it),
+  then the higher forward sequence number (the reverse of creation order, as in the
+  reference engine, so a buffer is freed soon after it filled), then first in, first out.
+- ``get`` blocks until it has an item, or the queue is closed and empty, or the
+  caller's ``stop`` event is set; ``wake_all`` makes blocked callers look again.
+
+Assumptions: none on the GIL: every field is guarded by ``_lock``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class ReadyQueue(Generic[T]):
+    """A thread-safe priority queue of ready work for one device."""
+
+    def __init__(self) -> None:
+        # Guards _heap, _order, _closed and _waiting.
+        self._lock = threading.Lock()
+        # Notified when an item is put, when the queue is closed, and by wake_all (a
+        # waiter's stop event was set). Waiters re-check their predicate on waking.
+        self.not_empty = threading.Condition(self._lock)
+        self._heap: list[tuple[int, int, int, T]] = []
+        self._order = itertools.count()  # ties broken first in, first out
+        self._closed = False
+        self._waiting = 0  # threads blocked in get
+
+    def put(self, item: T, depth: int, sequence_nr: int) -> None:
+        """Add ``item`` (of a backward at reentrant ``depth``, for node ``sequence_nr``)."""
+        with self._lock:
+            heapq.heappush(self._heap, (-depth, -sequence_nr, next(self._order), item))
+            if self._waiting:
+                self.not_empty.notify()
+
+    def get(self, stop: threading.Event | None = None) -> T | None:
+        """Remove and return the best item; block while there is none.
+
+        Returns None when ``stop`` is set (checked first, so a caller whose work is
+        done takes no more) or when the queue is closed and empty.
+        """
+        with self._lock:
+            while True:
+                if stop is not None and stop.is_set():
+                    return None
+                if self._heap:
+                    return heapq.heappop(self._heap)[-1]
+                if self._closed:
+                    return None
+                self._waiting += 1
+                try:
+                    self.not_empty.wait()
+                finally:
+                    self._waiting -= 1
+
+    def get_nowait(self) -> T | None:
+        """Remove and return the best item, or None at once if there is none."""
+        with self._lock:
+            return heapq.heappop(self._heap)[-1] if self._heap else None
+
+    def idle_waiters(self) -> int:
+        """How many threads are blocked in ``get`` right now (a hint: it may change)."""
+        with self._lock:
+            return self._waiting
+
+    def wake_all(self) -> None:
+        """Wake every blocked ``get`` so it re-checks its stop event."""
+        with self._lock:
+            self.not_empty.notify_all()
+
+    def close(self) -> None:
+        """Let ``get`` return None once the queue is empty (workers then exit)."""
+        with self._lock:
+            self._closed = True
+            self.not_empty.notify_all()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._heap)

@@ -1,0 +1,439 @@
+"""ThreadedEngine: the backward pass run by a pool of worker threads, one ReadyQueue and
+one set of workers per device.
+
+How one backward runs (``execute``): the calling thread makes a ``GraphTask`` (the
+reference engine's dependency counters, one locked gradient buffer per node), delivers
+the root gradients, and then works on the ready nodes itself while it waits. A thread
+that finishes a node delivers its gradients along the edges; of the nodes that became
+ready, it keeps the newest to run next (no hand-off), keeps the other cheap ones on a
+private stack, and puts the expensive ones and those of other devices on the ReadyQueue
+of their device, where idle workers take them. A hand-off costs tens of microseconds,
+so only nodes with enough array work (``handoff_threshold`` elements) are worth one.
+
+Guarantees:
+- Every node runs on a thread of its device: a worker ``pargrad-<device>-<i>``, a
+  helper ``pargrad-<device>-reentrant`` (below), or, for ``cpu``, the thread that
+  called backward.
+- The caller gets the first error, with the node's name and the original exception
+  chained; the task's other nodes are skipped, the workers survive, and the caller
+  returns only once no thread runs a node of the task any more. No ``.grad`` changes:
+  leaf gradients are returned, and ``autograd.backward`` commits them only on success.
+- A ``KeyboardInterrupt`` (or other BaseException) in the calling thread cancels the
+  task and is re-raised at once; workers skip what is left of it.
+- Reentrant backward (a node that calls backward) does not deadlock: the waiting
+  thread keeps running ready work of its device, deepest backward first; past
+  ``MAX_REENTRANT_DEPTH`` nested calls on one thread, a helper thread with a fresh stack
+  runs the inner backward while the thread blocks.
+- Deterministic mode sums every buffer in the canonical order (docs/design.md §4):
+  gradients are bitwise those of ``SequentialEngine``.
+- Workers are daemon threads, started when their device first gets work; an engine that
+  is shut down, or garbage collected, stops them. The interpreter never waits for them.
+
+Assumptions: no GIL. Shared state is guarded by the locks named at each field
+(docs/design.md keeps the table); thread-local state (``_local``) is per thread.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import os
+import threading
+import weakref
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+
+from pargrad.devices import CPU, Device, device
+from pargrad.engine.base import Engine, _engine_stack
+from pargrad.engine.graph_task import GraphTask, NodeTask
+from pargrad.engine.ready_queue import ReadyQueue
+from pargrad.grad_mode import _set_enabled, is_grad_enabled
+from pargrad.graph import AccumulateGrad, BackwardError, Edge, Grad, Node
+
+MAX_REENTRANT_DEPTH = 32
+"""Nested backward calls one thread runs on its own stack before handing off to a helper."""
+
+DEFAULT_HANDOFF_THRESHOLD = 1 << 15
+"""Array elements (inputs plus outputs of a node) above which a ready node is offered to
+other workers instead of staying on the thread that made it ready."""
+
+ENGINE_HINT = "; set PARGRAD_ENGINE=sequential to rerun on the reference engine"
+
+# Per-thread state, so no lock: ``pool`` and ``device`` (set in worker and helper
+# threads: the pool and device they work for), ``depth`` (backward calls nested on this
+# thread's stack) and ``task`` (the GraphTask whose node this thread is running).
+_local = threading.local()
+
+
+def available_cores() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on every platform
+        return os.cpu_count() or 1
+
+
+def default_workers() -> int:
+    """Workers per device by default: one less than the cores, since the thread that
+    calls backward works too (at least one, so that nobody waiting still finishes)."""
+    return max(1, available_cores() - 1)
+
+
+class _Pool:
+    """The ReadyQueues and worker threads of one engine, per device.
+
+    Holds no reference to its engine, so an engine nobody uses can be collected (and
+    its finalizer closes the pool).
+    """
+
+    def __init__(self, workers: int | Mapping[str | Device, int] | None) -> None:
+        self._counts = _worker_counts(workers)
+        # Guards _queues, _threads, _active and _closed.
+        self._lock = threading.Lock()
+        # Notified when _active drops to zero (shutdown waits for it).
+        self.all_tasks_done = threading.Condition(self._lock)
+        self._queues: dict[Device, ReadyQueue[NodeTask]] = {}
+        self._threads: list[threading.Thread] = []
+        self._active = 0  # graph tasks started and not yet done
+        self._closed = False
+
+    def workers(self, on: Device) -> int:
+        """How many worker threads ``on`` gets."""
+        return self._counts.get(on, self._counts[None])
+
+    def queue(self, on: Device) -> ReadyQueue[NodeTask]:
+        """The ReadyQueue of ``on``; its workers start on first use. Thread-safe."""
+        with self._lock:
+            found = self._queues.get(on)
+            if found is None:
+                found = self._queues[on] = ReadyQueue()
+                for i in range(self.workers(on)):
+                    thread = threading.Thread(target=_work, args=(self, on, found),
+                                              name=f"pargrad-{on}-{i}", daemon=True)
+                    thread.start()
+                    self._threads.append(thread)
+            return found
+
+    def task_started(self) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this ThreadedEngine was shut down; make a new one")
+            self._active += 1
+
+    def task_done(self) -> None:
+        with self._lock:
+            self._active -= 1
+            if self._active == 0:
+                self.all_tasks_done.notify_all()
+
+    def threads(self) -> list[threading.Thread]:
+        with self._lock:
+            return list(self._threads)
+
+    def shutdown(self, wait: bool) -> None:
+        """Refuse new work; with ``wait``, let running backward calls finish first and
+        join the workers. Idempotent."""
+        with self._lock:
+            self._closed = True
+            if wait:
+                while self._active:
+                    self.all_tasks_done.wait()
+            queues = list(self._queues.values())
+            threads = list(self._threads)
+        for q in queues:
+            q.close()
+        if wait:
+            for thread in threads:
+                thread.join()
+
+
+def _worker_counts(workers: int | Mapping[str | Device, int] | None) -> dict[Device | None, int]:
+    """Normalise ``workers``; the key None holds the count for devices not named."""
+    if workers is None:
+        return {None: default_workers()}
+    if isinstance(workers, Mapping):
+        counts: dict[Device | None, int] = {None: default_workers()}
+        for name, count in workers.items():
+            counts[device(name)] = _check_count(count, f"workers[{name!r}]")
+        return counts
+    return {None: _check_count(workers, "workers")}
+
+
+def _check_count(count: object, what: str) -> int:
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"ThreadedEngine: {what} must be a positive integer, got {count!r}")
+    return count
+
+
+def _work(pool: _Pool, on: Device, queue: ReadyQueue[NodeTask]) -> None:
+    """A worker's loop: run the device's ready work until the queue is closed and empty.
+
+    Never raises: everything a node raises is recorded in its GraphTask.
+    """
+    _local.pool, _local.device = pool, on
+    while True:
+        item = queue.get()
+        if item is None:
+            return
+        _process([(-item.node.sequence_nr, item)], on, reraise=False)
+        del item  # hold no graph alive while idle
+
+
+def _cost(node: Node) -> int:
+    """The array elements a node reads and writes: its gradients in and out."""
+    total = 0
+    for shape, _ in node._output_meta:
+        total += math.prod(shape)
+    for meta in node._input_meta:
+        if meta is not None:
+            total += math.prod(meta[0])
+    return total
+
+
+def _run_node(item: NodeTask) -> list[NodeTask]:
+    """Run one node's backward and deliver its gradients; return the nodes made ready."""
+    task, node = item.task, item.node
+    assert item.inputs is not None
+    outputs = node.apply(item.inputs, retain_graph=task.retain_graph)
+    item.inputs = None
+    ready: list[NodeTask] = []
+    deterministic = task.deterministic
+    seq = node.sequence_nr
+    for e, ((next_node, input_nr), grad) in enumerate(zip(node.next_functions, outputs)):
+        if next_node is None:
+            continue
+        made = task.deliver(next_node, input_nr, grad, (1, -seq, e) if deterministic else None)
+        if made is not None:
+            ready.append(made)
+    return ready
+
+
+Local = list[tuple[int, NodeTask]]
+"""The work a thread keeps for itself: a heap of ``(-sequence_nr, NodeTask)``, all of one
+GraphTask (whose sequence numbers are distinct). Newest first, as the reference runs
+them, so a backward that stays on one thread sums in the reference's order."""
+
+
+def _process(local: Local, on: Device, *, reraise: bool) -> None:
+    """Run the NodeTasks on ``local`` and the work they keep, on this thread (see the
+    module doc).
+
+    With ``reraise``, an exception that is not an ``Exception`` (KeyboardInterrupt) is
+    recorded in the task and raised again here; otherwise nothing escapes.
+    """
+    task = local[0][1].task
+    engine = task.engine
+    assert isinstance(engine, ThreadedEngine)
+    previous_task = getattr(_local, "task", None)
+    previous_mode = is_grad_enabled()
+    engines = _engine_stack()
+    _local.task = task
+    _set_enabled(task.create_graph)
+    engines.append(engine)
+    try:
+        while local:
+            current = heapq.heappop(local)[1]
+            ready: list[NodeTask] = []
+            interrupt: BaseException | None = None
+            try:
+                if not task.cancelled.is_set():
+                    ready = _run_node(current)
+            except BaseException as exc:
+                task.fail(exc, current.node)
+                if reraise and not isinstance(exc, Exception):
+                    interrupt = exc
+            del current
+            runnable = task.finish(ready)
+            if interrupt is not None:
+                for _ in range(len(local) + len(runnable)):  # all of this cancelled task
+                    task.finish([])
+                raise interrupt
+            if runnable:
+                _schedule(engine, runnable, on, local)
+    finally:
+        engines.pop()
+        _set_enabled(previous_mode)
+        _local.task = previous_task
+
+
+def _schedule(engine: ThreadedEngine, runnable: list[NodeTask], on: Device,
+              local: Local) -> None:
+    """Keep on ``local`` the newest ready node of device ``on`` and the other cheap ones;
+    put the rest on the ReadyQueue of their device."""
+    if len(runnable) == 1 and runnable[0].node.device is on:  # a chain: the common case
+        heapq.heappush(local, (-runnable[0].node.sequence_nr, runnable[0]))
+        return
+    runnable.sort(key=lambda t: t.node.sequence_nr, reverse=True)  # newest first
+    pool = engine._pool
+    depth = runnable[0].task.depth
+    kept_one = False
+    for item in runnable:
+        node = item.node
+        if node.device is not on:
+            pool.queue(node.device).put(item, depth, node.sequence_nr)
+        elif not kept_one or _cost(node) < engine.handoff_threshold:
+            kept_one = True
+            heapq.heappush(local, (-node.sequence_nr, item))
+        else:
+            pool.queue(on).put(item, depth, node.sequence_nr)
+
+
+def _drive(task: GraphTask, ready: list[NodeTask], on: Device, queue: ReadyQueue[NodeTask],
+           *, reraise: bool) -> None:
+    """Run the task's first ready nodes, then ready work of device ``on`` until the task
+    is done. The body of a backward call, on the caller's thread or a helper."""
+    local: Local = []
+    engine = task.engine
+    assert isinstance(engine, ThreadedEngine)
+    if ready:
+        _schedule(engine, ready, on, local)
+    if local:
+        _process(local, on, reraise=reraise)
+    while True:
+        item = queue.get(stop=task.done)
+        if item is None:
+            return
+        _process([(-item.node.sequence_nr, item)], on, reraise=reraise)
+        del item
+
+
+def _help(task: GraphTask, ready: list[NodeTask], on: Device, queue: ReadyQueue[NodeTask],
+          pool: _Pool) -> None:
+    """A reentrant helper thread's whole life: drive ``task`` on a fresh stack."""
+    _local.pool, _local.device = pool, on
+    _drive(task, ready, on, queue, reraise=False)
+
+
+class ThreadedEngine(Engine):
+    """The multi-threaded backward engine: pargrad's default.
+
+    Args:
+        workers: worker threads per device: an int for every device, or a mapping from
+            device names to counts (devices not named get the default). Default:
+            one less than the cores available (at least 1), since the thread that calls
+            backward runs nodes of the ``cpu`` device too while it waits.
+        deterministic: sum every gradient buffer in the canonical order, so results are
+            bitwise those of ``SequentialEngine`` (it keeps each node's incoming
+            gradients until the node runs). Otherwise buffers sum in arrival order and
+            agree with the reference to rounding.
+        handoff_threshold: a ready node whose gradients in and out have fewer array
+            elements than this stays on the thread that made it ready.
+
+    ``execute`` blocks the caller, who works meanwhile. Thread-safe: any number of
+    threads may run backward calls on one engine at once, and nodes may call backward
+    (reentrant). ``shutdown()`` stops the workers; ``with ThreadedEngine() as e:`` does
+    it on exit.
+
+    >>> import pargrad
+    >>> x = pargrad.tensor([1.0, 2.0], requires_grad=True)
+    >>> with pargrad.ThreadedEngine(workers=2, deterministic=True) as engine:
+    ...     (x * x).sum().backward(engine=engine)
+    >>> x.grad
+    tensor([2., 4.], dtype=float64)
+    """
+
+    def __init__(
+        self,
+        workers: int | Mapping[str | Device, int] | None = None,
+        *,
+        deterministic: bool = False,
+        handoff_threshold: int = DEFAULT_HANDOFF_THRESHOLD,
+    ) -> None:
+        self._pool = _Pool(workers)
+        self.deterministic = bool(deterministic)
+        self.handoff_threshold = int(handoff_threshold)
+        weakref.finalize(self, self._pool.shutdown, False)
+
+    def __repr__(self) -> str:
+        return (f"ThreadedEngine(workers={self._pool.workers(CPU)}, "
+                f"deterministic={self.deterministic})")
+
+    def workers(self, on: str | Device = "cpu") -> int:
+        """How many worker threads the device ``on`` gets."""
+        return self._pool.workers(device(on))
+
+    def threads(self) -> list[threading.Thread]:
+        """The worker threads started so far (workers start when their device first
+        gets work)."""
+        return self._pool.threads()
+
+    def execute(
+        self,
+        roots: Sequence[Edge],
+        grads: Sequence[Grad],
+        *,
+        retain_graph: bool,
+        create_graph: bool,
+    ) -> dict[AccumulateGrad, Grad]:
+        pool = self._pool
+        on = _local.device if getattr(_local, "pool", None) is pool else CPU
+        parent: GraphTask | None = getattr(_local, "task", None)
+        pool.task_started()  # raises after shutdown
+        previous_mode = is_grad_enabled()
+        try:
+            queue = pool.queue(on)
+
+            def on_done(task: GraphTask) -> None:
+                pool.task_done()
+                queue.wake_all()  # the caller may be blocked in queue.get
+
+            task = GraphTask(roots, grads, retain_graph=retain_graph,
+                             create_graph=create_graph, deterministic=self.deterministic,
+                             depth=0 if parent is None else parent.depth + 1,
+                             engine=self, on_done=on_done)
+            _set_enabled(create_graph)
+            ready = task.start()
+        except BaseException:
+            pool.task_done()  # nothing of the task was published
+            raise
+        finally:
+            _set_enabled(previous_mode)
+        depth = getattr(_local, "depth", 0)
+        try:
+            if depth >= MAX_REENTRANT_DEPTH:
+                helper = threading.Thread(target=_help, args=(task, ready, on, queue, pool),
+                                          name=f"pargrad-{on}-reentrant", daemon=True)
+                helper.start()
+                task.done.wait()
+            else:
+                _local.depth = depth + 1
+                try:
+                    _drive(task, ready, on, queue, reraise=True)
+                finally:
+                    _local.depth = depth
+        except BaseException as exc:
+            task.fail(exc)  # cancel what is left; the first error stays the first
+            raise
+        error = task.error
+        if error is not None:
+            raise _with_hint(error)
+        return task.captured()
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop the workers; later backward calls on this engine raise RuntimeError.
+
+        With ``wait`` (the default), first let the backward calls in flight finish and
+        then join the workers. Must not be called from inside a backward.
+        """
+        if getattr(_local, "task", None) is not None:
+            raise RuntimeError("ThreadedEngine.shutdown() called from inside a backward")
+        self._pool.shutdown(wait)
+
+    def __enter__(self) -> ThreadedEngine:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.shutdown()
+
+
+def _with_hint(error: BaseException) -> BaseException:
+    """Name the engine in a node's error, and how to rerun on the reference."""
+    if isinstance(error, BackwardError) and ENGINE_HINT not in error.detail:
+        error.detail += ENGINE_HINT
+        error.args = (f"{error.node_name}: {error.detail}",)
+    return error
