@@ -96,14 +96,19 @@ class GraphRecipe:
     roots: tuple[int, ...]
     root_grads: tuple[np.ndarray, ...]
 
-    def build(self, leaves: Sequence[Any]) -> list[Any]:
-        """Run the steps on ``leaves`` (Tensors) and return the root tensors."""
+    def build(self, leaves: Sequence[Any], devices: Sequence[str] | None = None) -> list[Any]:
+        """Run the steps on ``leaves`` (Tensors) and return the root tensors.
+
+        With ``devices`` (one device name per step), each step runs on its device: its
+        operands are moved there first with ``Tensor.to`` (a differentiable copy).
+        """
         import pargrad
 
         values = list(leaves)
-        for step in self.steps:
+        for k, step in enumerate(self.steps):
             kind, i = step[0], step[1]
-            a = values[i]
+            on = "cpu" if devices is None else devices[k]
+            a = values[i].to(on)
             if kind == "tanh":
                 out = pargrad.tanh(a)
             elif kind == "sin":
@@ -111,7 +116,7 @@ class GraphRecipe:
             elif kind == "sigmoid":
                 out = pargrad.sigmoid(a)
             elif kind == "scale":
-                out = a * step[2] + pargrad.tensor(step[2])  # a constant tensor: no grad
+                out = a * step[2] + pargrad.tensor(step[2], device=on)  # constant: no grad
             elif kind == "square":
                 out = a * a * 0.5
             elif kind.startswith("pair"):
@@ -119,7 +124,7 @@ class GraphRecipe:
                 out = {"pair_first": first, "pair_second": second,
                        "pair_both": first * second}[kind]
             else:
-                b = values[step[2]]
+                b = values[step[2]].to(on)
                 if kind == "add":
                     out = a + b
                 elif kind == "sub":

@@ -6,18 +6,23 @@ Guarantees:
   node runs exactly when, and as often as, it would in ``SequentialEngine``: once, after
   every edge into it has delivered.
 - A node becomes ready exactly once: the delivery that brings its last counter to zero
-  (under that node's lock) is the one that takes its buffer and makes its NodeTask.
+  (under the lock of the node's stripe) is the one that takes its buffer and makes its
+  NodeTask.
+- Buffers are made on a node's first delivery and dropped when it becomes ready, so a
+  gradient is alive only between its node's producers and the node itself.
 - Completion is detected by ``outstanding`` reaching zero, never by a queue looking
-  empty. ``outstanding`` counts NodeTasks made and not yet finished; a NodeTask is
-  counted (``finish`` of the task that made it) before any other thread can see it, so
+  empty. ``outstanding`` counts ready nodes made and not yet finished; a ready node is
+  counted (``finish`` of the node that made it) before any other thread can see it, so
   the count cannot touch zero while work remains. ``done`` is then set exactly once.
 - The first error is kept and cancels the task: NodeTasks not yet started are finished
   without running, so the count still drains and the caller is woken.
 
-Assumptions: no GIL. ``slots`` and ``dependencies.counts`` gain no keys after
-``__init__`` (so reading them needs no lock); everything else that changes is guarded
-as its comment says. The roots are delivered by ``start`` on the calling thread before
-any NodeTask of this graph exists, so nothing else can touch the buffers then.
+Assumptions: no GIL. Nodes are spread over ``STRIPES`` lock stripes by sequence number;
+a stripe's lock guards its buffers and the counters of its nodes (``dependencies.counts``
+gains no keys after ``__init__``, so finding a node's counters needs no lock). One lock
+per node would cost its allocation on every node of every backward; one lock per task
+would serialise every delivery. Everything else that changes is guarded as its comment
+says.
 """
 
 from __future__ import annotations
@@ -30,9 +35,13 @@ from pargrad.engine.base import Engine
 from pargrad.engine.buffer import InputBuffer, Key, OrderedInputBuffer
 from pargrad.graph import AccumulateGrad, BackwardError, Dependencies, Edge, Grad, Node
 
+Ready = tuple[Node, list[Grad | None]]
+"""A node that became ready, with the gradients gathered for its outputs."""
+
 
 class NodeTask:
-    """A ready node of one GraphTask and the gradients gathered for its outputs."""
+    """A ready node of one GraphTask and the gradients gathered for its outputs: what a
+    ReadyQueue holds. (Work a thread keeps for itself needs no task and stays a Ready.)"""
 
     __slots__ = ("inputs", "node", "task")
 
@@ -42,15 +51,19 @@ class NodeTask:
         self.inputs = inputs  # set to None once the node has consumed them
 
 
-class _Slot:
-    """One node's gradient buffer and the lock that guards it and the node's counters."""
+STRIPES = 64  # a power of two
+_STRIPE_MASK = STRIPES - 1
 
-    __slots__ = ("buffer", "lock")
 
-    def __init__(self, buffer: InputBuffer | OrderedInputBuffer) -> None:
-        # Guards ``buffer`` and ``dependencies.counts[node]`` of this slot's node.
+class _Stripe:
+    """The gradient buffers of the nodes whose ``sequence_nr % STRIPES`` is this stripe's."""
+
+    __slots__ = ("buffers", "lock")
+
+    def __init__(self) -> None:
+        # Guards ``buffers`` and ``dependencies.counts[node]`` of this stripe's nodes.
         self.lock = threading.Lock()
-        self.buffer = buffer
+        self.buffers: dict[Node, InputBuffer | OrderedInputBuffer] = {}
 
 
 class GraphTask:
@@ -81,8 +94,8 @@ class GraphTask:
         self.depth = depth  # reentrant nesting: 0 for a backward not called from a node
         self._on_done = on_done
         self.dependencies = Dependencies([node for node, _ in roots if node is not None])
-        make = OrderedInputBuffer if deterministic else InputBuffer
-        self.slots = {node: _Slot(make(node.num_outputs)) for node in self.dependencies.counts}
+        self._buffer_type = OrderedInputBuffer if deterministic else InputBuffer
+        self._stripes = tuple(_Stripe() for _ in range(STRIPES))
         # Guards _outstanding, _error and _captured.
         self._lock = threading.Lock()
         self._outstanding = 0
@@ -93,7 +106,7 @@ class GraphTask:
         # Set once, when _outstanding reached zero: the task is over.
         self.done = threading.Event()
 
-    def start(self) -> list[NodeTask]:
+    def start(self) -> list[Ready]:
         """Deliver the root gradients and return the roots that are ready, counted.
 
         Call once, on the calling thread, before any other thread can see this task.
@@ -101,44 +114,65 @@ class GraphTask:
         """
         for i, ((node, output_nr), grad) in enumerate(zip(self.roots, self.root_grads)):
             if node is not None:
-                self.slots[node].buffer.accumulate(output_nr, grad, (0, i))
-        ready = [NodeTask(self, node, self.slots[node].buffer.take())
-                 for node in dict.fromkeys(n for n, _ in self.roots if n is not None)
-                 if self.dependencies.is_ready(node)]
+                self._buffer(node).accumulate(output_nr, grad, (0, i))
+        ready: list[Ready] = []
+        for node in dict.fromkeys(n for n, _ in self.roots if n is not None):
+            if self.dependencies.is_ready(node):
+                ready.append((node, self._buffer(node, pop=True).take()))
         return self.finish(ready, finished=0)
 
+    def _buffer(self, node: Node, pop: bool = False) -> InputBuffer | OrderedInputBuffer:
+        """``node``'s buffer, made if it has none (removed with ``pop``). The caller holds
+        the node's stripe lock, or is ``start``."""
+        buffers = self._stripes[node.sequence_nr & _STRIPE_MASK].buffers
+        buffer = buffers.pop(node, None) if pop else buffers.get(node)
+        if buffer is None:
+            buffer = self._buffer_type(node.num_outputs)
+            if not pop:
+                buffers[node] = buffer
+        return buffer
+
     def deliver(self, node: Node, output_nr: int, grad: Grad | None,
-                key: Key | None) -> NodeTask | None:
+                key: Key | None) -> list[Grad | None] | None:
         """Add one edge's gradient to ``node``'s buffer and release that edge.
 
-        Returns the node's NodeTask if this delivery made it ready (exactly one caller
-        gets it), else None. The caller must pass it to ``finish``.
+        If this delivery made the node ready (exactly one caller sees that), returns its
+        gathered gradients, which the caller must pass to ``finish``; else None.
         """
-        slot = self.slots[node]
-        with slot.lock:
-            slot.buffer.accumulate(output_nr, grad, key)
+        stripe = self._stripes[node.sequence_nr & _STRIPE_MASK]
+        with stripe.lock:
+            buffers = stripe.buffers
+            buffer = buffers.get(node)
+            if buffer is None:
+                buffer = buffers[node] = self._buffer_type(node.num_outputs)
+            buffer.accumulate(output_nr, grad, key)
             if not self.dependencies.release(node, output_nr):
                 return None
-            inputs = slot.buffer.take()
-        return NodeTask(self, node, inputs)
+            del buffers[node]
+        return buffer.take()
 
-    def finish(self, ready: list[NodeTask], finished: int = 1) -> list[NodeTask]:
-        """Account for ``finished`` NodeTasks done and the ``ready`` ones they made.
+    def finish(self, ready: list[Ready], finished: int = 1) -> list[Ready]:
+        """Account for ``finished`` nodes done and the ``ready`` ones they made.
 
-        Ready leaves (``AccumulateGrad``) are captured, not run; the other NodeTasks are
-        counted and returned for the caller to run or enqueue. The call that brings the
-        count to zero completes the task.
+        Ready leaves (``AccumulateGrad``) are captured, not run; the other ready nodes
+        are counted and returned for the caller to run or enqueue. The call that brings
+        the count to zero completes the task.
         """
-        runnable: list[NodeTask] = []
+        runnable = ready
+        leaves: list[Ready] = []
+        for item in ready:
+            if isinstance(item[0], AccumulateGrad):
+                leaves.append(item)
+        if leaves:
+            runnable = [item for item in ready if not isinstance(item[0], AccumulateGrad)]
+        elif len(runnable) == finished:
+            # As many made as finished (a chain): the count stays as it is, and it counts
+            # the new node already, so no lock is needed to leave it unchanged.
+            return runnable
         with self._lock:
-            for item in ready:
-                node = item.node
-                if isinstance(node, AccumulateGrad):
-                    assert item.inputs is not None
-                    if item.inputs[0] is not None:
-                        self._captured[node] = item.inputs[0]
-                else:
-                    runnable.append(item)
+            for node, inputs in leaves:
+                if inputs[0] is not None:
+                    self._captured[node] = inputs[0]  # type: ignore[index]
             self._outstanding += len(runnable) - finished
             complete = self._outstanding == 0
         if complete:

@@ -45,7 +45,7 @@ from types import TracebackType
 
 from pargrad.devices import CPU, Device, device
 from pargrad.engine.base import Engine, _engine_stack
-from pargrad.engine.graph_task import GraphTask, NodeTask
+from pargrad.engine.graph_task import GraphTask, NodeTask, Ready
 from pargrad.engine.ready_queue import ReadyQueue
 from pargrad.grad_mode import _set_enabled, is_grad_enabled
 from pargrad.graph import AccumulateGrad, BackwardError, Edge, Grad, Node
@@ -175,7 +175,7 @@ def _work(pool: _Pool, on: Device, queue: ReadyQueue[NodeTask]) -> None:
         item = queue.get()
         if item is None:
             return
-        _process([(-item.node.sequence_nr, item)], on, reraise=False)
+        _process_item(item, on, reraise=False)
         del item  # hold no graph alive while idle
 
 
@@ -190,38 +190,26 @@ def _cost(node: Node) -> int:
     return total
 
 
-def _run_node(item: NodeTask) -> list[NodeTask]:
-    """Run one node's backward and deliver its gradients; return the nodes made ready."""
-    task, node = item.task, item.node
+Local = list[tuple[int, Node, list[Grad | None]]]
+"""The work a thread keeps for itself: a heap of ``(-sequence_nr, node, gradients)``, all
+of one GraphTask (whose sequence numbers are distinct). Newest first, as the reference
+runs them, so a backward that stays on one thread sums in the reference's order."""
+
+
+def _process_item(item: NodeTask, on: Device, *, reraise: bool) -> None:
     assert item.inputs is not None
-    outputs = node.apply(item.inputs, retain_graph=task.retain_graph)
+    local: Local = [(-item.node.sequence_nr, item.node, item.inputs)]
     item.inputs = None
-    ready: list[NodeTask] = []
-    deterministic = task.deterministic
-    seq = node.sequence_nr
-    for e, ((next_node, input_nr), grad) in enumerate(zip(node.next_functions, outputs)):
-        if next_node is None:
-            continue
-        made = task.deliver(next_node, input_nr, grad, (1, -seq, e) if deterministic else None)
-        if made is not None:
-            ready.append(made)
-    return ready
+    _process(item.task, local, on, reraise=reraise)
 
 
-Local = list[tuple[int, NodeTask]]
-"""The work a thread keeps for itself: a heap of ``(-sequence_nr, NodeTask)``, all of one
-GraphTask (whose sequence numbers are distinct). Newest first, as the reference runs
-them, so a backward that stays on one thread sums in the reference's order."""
-
-
-def _process(local: Local, on: Device, *, reraise: bool) -> None:
-    """Run the NodeTasks on ``local`` and the work they keep, on this thread (see the
-    module doc).
+def _process(task: GraphTask, local: Local, on: Device, *, reraise: bool) -> None:
+    """Run the nodes on ``local`` and the work they keep, on this thread (see the module
+    doc): each node's backward, then the delivery of its gradients along its edges.
 
     With ``reraise``, an exception that is not an ``Exception`` (KeyboardInterrupt) is
     recorded in the task and raised again here; otherwise nothing escapes.
     """
-    task = local[0][1].task
     engine = task.engine
     assert isinstance(engine, ThreadedEngine)
     previous_task = getattr(_local, "task", None)
@@ -230,55 +218,67 @@ def _process(local: Local, on: Device, *, reraise: bool) -> None:
     _local.task = task
     _set_enabled(task.create_graph)
     engines.append(engine)
+    cancelled, deliver, retain = task.cancelled, task.deliver, task.retain_graph
+    deterministic = task.deterministic
     try:
         while local:
-            current = heapq.heappop(local)[1]
-            ready: list[NodeTask] = []
+            _, node, inputs = heapq.heappop(local)
+            ready: list[Ready] = []
             interrupt: BaseException | None = None
-            try:
-                if not task.cancelled.is_set():
-                    ready = _run_node(current)
-            except BaseException as exc:
-                task.fail(exc, current.node)
-                if reraise and not isinstance(exc, Exception):
-                    interrupt = exc
-            del current
-            runnable = task.finish(ready)
+            if not cancelled.is_set():
+                try:
+                    outputs = node.apply(inputs, retain_graph=retain)
+                    del inputs
+                    seq = node.sequence_nr
+                    for e, ((next_node, input_nr), grad) in enumerate(
+                            zip(node.next_functions, outputs)):
+                        if next_node is not None:
+                            got = deliver(next_node, input_nr, grad,
+                                          (1, -seq, e) if deterministic else None)
+                            if got is not None:
+                                ready.append((next_node, got))
+                    del outputs
+                except BaseException as exc:
+                    task.fail(exc, node)
+                    if reraise and not isinstance(exc, Exception):
+                        interrupt = exc
+            if len(ready) == 1 and not isinstance(ready[0][0], AccumulateGrad):
+                runnable = ready  # one made for one finished: what finish() would return
+            else:
+                runnable = task.finish(ready)
             if interrupt is not None:
                 for _ in range(len(local) + len(runnable)):  # all of this cancelled task
                     task.finish([])
                 raise interrupt
-            if runnable:
-                _schedule(engine, runnable, on, local)
+            if len(runnable) == 1 and runnable[0][0].device is on:  # a chain
+                heapq.heappush(local, (-runnable[0][0].sequence_nr, *runnable[0]))
+            elif runnable:
+                _schedule(engine, task, runnable, on, local)
     finally:
         engines.pop()
         _set_enabled(previous_mode)
         _local.task = previous_task
 
 
-def _schedule(engine: ThreadedEngine, runnable: list[NodeTask], on: Device,
+def _schedule(engine: ThreadedEngine, task: GraphTask, runnable: list[Ready], on: Device,
               local: Local) -> None:
     """Keep on ``local`` the newest ready node of device ``on`` and the other cheap ones;
     put the rest on the ReadyQueue of their device."""
-    if len(runnable) == 1 and runnable[0].node.device is on:  # a chain: the common case
-        heapq.heappush(local, (-runnable[0].node.sequence_nr, runnable[0]))
-        return
-    runnable.sort(key=lambda t: t.node.sequence_nr, reverse=True)  # newest first
+    runnable.sort(key=lambda r: r[0].sequence_nr, reverse=True)  # newest first
     pool = engine._pool
-    depth = runnable[0].task.depth
     kept_one = False
-    for item in runnable:
-        node = item.node
+    for node, inputs in runnable:
         if node.device is not on:
-            pool.queue(node.device).put(item, depth, node.sequence_nr)
+            pool.queue(node.device).put(NodeTask(task, node, inputs), task.depth,
+                                        node.sequence_nr)
         elif not kept_one or _cost(node) < engine.handoff_threshold:
             kept_one = True
-            heapq.heappush(local, (-node.sequence_nr, item))
+            heapq.heappush(local, (-node.sequence_nr, node, inputs))
         else:
-            pool.queue(on).put(item, depth, node.sequence_nr)
+            pool.queue(on).put(NodeTask(task, node, inputs), task.depth, node.sequence_nr)
 
 
-def _drive(task: GraphTask, ready: list[NodeTask], on: Device, queue: ReadyQueue[NodeTask],
+def _drive(task: GraphTask, ready: list[Ready], on: Device, queue: ReadyQueue[NodeTask],
            *, reraise: bool) -> None:
     """Run the task's first ready nodes, then ready work of device ``on`` until the task
     is done. The body of a backward call, on the caller's thread or a helper."""
@@ -286,18 +286,18 @@ def _drive(task: GraphTask, ready: list[NodeTask], on: Device, queue: ReadyQueue
     engine = task.engine
     assert isinstance(engine, ThreadedEngine)
     if ready:
-        _schedule(engine, ready, on, local)
+        _schedule(engine, task, ready, on, local)
     if local:
-        _process(local, on, reraise=reraise)
+        _process(task, local, on, reraise=reraise)
     while True:
         item = queue.get(stop=task.done)
         if item is None:
             return
-        _process([(-item.node.sequence_nr, item)], on, reraise=reraise)
+        _process_item(item, on, reraise=reraise)
         del item
 
 
-def _help(task: GraphTask, ready: list[NodeTask], on: Device, queue: ReadyQueue[NodeTask],
+def _help(task: GraphTask, ready: list[Ready], on: Device, queue: ReadyQueue[NodeTask],
           pool: _Pool) -> None:
     """A reentrant helper thread's whole life: drive ``task`` on a fresh stack."""
     _local.pool, _local.device = pool, on

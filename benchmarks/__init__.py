@@ -1,0 +1,1 @@
+"""Benchmarks for pargrad (run as modules, e.g. ``python -m benchmarks.engines``)."""
