@@ -128,6 +128,7 @@ class Wide:
                 for w in branch:
                     w.grad = None
                     h = pargrad.tanh(h @ w)
+                # A left-deep chain of adds, as a loop summing the branches builds it.
                 loss = h.sum() if loss is None else loss + h.sum()
             assert loss is not None
             return lambda: loss.backward(engine=engine)
@@ -140,9 +141,9 @@ class Wide:
         for b in which:
             g: np.ndarray = np.broadcast_to(np.float64(1.0), (SIZE, SIZE))  # sum rule
             for w, (h, ans) in zip(reversed(self.weights[b]), reversed(self.values[b])):
-                g = g * (1 - ans * ans)     # tanh
+                g = g * (1 - ans * ans)       # tanh
                 weight_grads.append(h.T @ g)  # matmul, right operand
-                g = g @ w.T                 # matmul, left operand
+                g = g @ w.T                   # matmul, left operand
             grad_x = g if grad_x is None else grad_x + g
         assert grad_x is not None
         out.append(grad_x)

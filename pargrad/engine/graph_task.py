@@ -93,7 +93,13 @@ class GraphTask:
         self.deterministic = deterministic
         self.depth = depth  # reentrant nesting: 0 for a backward not called from a node
         self._on_done = on_done
-        self.dependencies = Dependencies([node for node, _ in roots if node is not None])
+        root_nodes = {node for node, _ in roots if node is not None}
+        self.dependencies = Dependencies(root_nodes)
+        # Nodes that exactly one edge reaches, and no root gradient: their one delivery
+        # makes them ready with just that gradient, so they need no buffer, no counter
+        # and no lock (most nodes of a chain). Read-only after __init__.
+        self._single = frozenset(node for node, counts in self.dependencies.counts.items()
+                                 if counts == [1] and node not in root_nodes)
         self._buffer_type = OrderedInputBuffer if deterministic else InputBuffer
         self._stripes = tuple(_Stripe() for _ in range(STRIPES))
         # Guards _outstanding, _error and _captured.
@@ -139,6 +145,8 @@ class GraphTask:
         If this delivery made the node ready (exactly one caller sees that), returns its
         gathered gradients, which the caller must pass to ``finish``; else None.
         """
+        if node in self._single:
+            return [grad]  # what its buffer would hold: the one gradient, or None
         stripe = self._stripes[node.sequence_nr & _STRIPE_MASK]
         with stripe.lock:
             buffers = stripe.buffers

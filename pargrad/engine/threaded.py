@@ -5,10 +5,11 @@ How one backward runs (``execute``): the calling thread makes a ``GraphTask`` (t
 reference engine's dependency counters, one locked gradient buffer per node), delivers
 the root gradients, and then works on the ready nodes itself while it waits. A thread
 that finishes a node delivers its gradients along the edges; of the nodes that became
-ready, it keeps the newest to run next (no hand-off), keeps the other cheap ones on a
-private stack, and puts the expensive ones and those of other devices on the ReadyQueue
-of their device, where idle workers take them. A hand-off costs tens of microseconds,
-so only nodes with enough array work (``handoff_threshold`` elements) are worth one.
+ready, it keeps the cheap ones on a private heap and runs them itself, and puts the
+expensive ones and those of other devices on the ReadyQueue of their device, where idle
+workers take them (if it kept nothing, it keeps the newest expensive one). A hand-off
+costs tens of microseconds, so only nodes with enough array work (``handoff_threshold``
+elements) are worth one.
 
 Guarantees:
 - Every node runs on a thread of its device: a worker ``pargrad-<device>-<i>``, a
@@ -262,20 +263,32 @@ def _process(task: GraphTask, local: Local, on: Device, *, reraise: bool) -> Non
 
 def _schedule(engine: ThreadedEngine, task: GraphTask, runnable: list[Ready], on: Device,
               local: Local) -> None:
-    """Keep on ``local`` the newest ready node of device ``on`` and the other cheap ones;
-    put the rest on the ReadyQueue of their device."""
+    """Keep on ``local`` the cheap ready nodes of device ``on``, and put the expensive ones
+    on its ReadyQueue; if none is cheap, keep the newest expensive one to run next. Nodes
+    of other devices go to the ReadyQueues of their devices.
+
+    A cheap node often leads on into expensive work (the chain of adds that sums several
+    branches), so it is the expensive nodes that are handed off, not the cheap ones."""
     runnable.sort(key=lambda r: r[0].sequence_nr, reverse=True)  # newest first
     pool = engine._pool
+    expensive: list[Ready] = []
     kept_one = False
     for node, inputs in runnable:
         if node.device is not on:
             pool.queue(node.device).put(NodeTask(task, node, inputs), task.depth,
                                         node.sequence_nr)
-        elif not kept_one or _cost(node) < engine.handoff_threshold:
+        elif _cost(node) < engine.handoff_threshold:
             kept_one = True
             heapq.heappush(local, (-node.sequence_nr, node, inputs))
         else:
-            pool.queue(on).put(NodeTask(task, node, inputs), task.depth, node.sequence_nr)
+            expensive.append((node, inputs))
+    if expensive and not kept_one and not local:
+        node, inputs = expensive.pop(0)  # the newest: this thread would idle otherwise
+        heapq.heappush(local, (-node.sequence_nr, node, inputs))
+    if expensive:
+        queue = pool.queue(on)
+        for node, inputs in expensive:
+            queue.put(NodeTask(task, node, inputs), task.depth, node.sequence_nr)
 
 
 def _drive(task: GraphTask, ready: list[Ready], on: Device, queue: ReadyQueue[NodeTask],

@@ -1,0 +1,173 @@
+"""The threaded engine's workers: lazy start, names, shutdown, the default engine."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import threading
+import weakref
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import pargrad
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def backward_once(engine: pargrad.Engine) -> pargrad.Tensor:
+    x = pargrad.tensor(np.ones(2), requires_grad=True)
+    (x * 3).sum().backward(engine=engine)
+    return x
+
+
+def test_workers_start_lazily_named_and_daemon() -> None:
+    engine = pargrad.ThreadedEngine(workers=3)
+    assert engine.threads() == []
+    np.testing.assert_array_equal(backward_once(engine).grad.data, [3.0, 3.0])
+    threads = engine.threads()
+    assert [t.name for t in threads] == ["pargrad-cpu-0", "pargrad-cpu-1", "pargrad-cpu-2"]
+    assert all(t.daemon and t.is_alive() for t in threads)
+    backward_once(engine)
+    assert engine.threads() == threads  # persistent: no new threads per call
+    engine.shutdown()
+    assert not any(t.is_alive() for t in threads)
+    engine.shutdown()  # idempotent
+
+
+def test_context_manager_and_use_after_shutdown() -> None:
+    with pargrad.ThreadedEngine(workers=2) as engine:
+        backward_once(engine)
+        threads = engine.threads()
+    assert not any(t.is_alive() for t in threads)
+    with pytest.raises(RuntimeError, match="shut down"):
+        backward_once(engine)
+
+
+def test_shutdown_waits_for_backward_calls_in_flight() -> None:
+    engine = pargrad.ThreadedEngine(workers=2)
+    started = threading.Event()
+    release = threading.Event()
+
+    class Gate(pargrad.Function):
+        @staticmethod
+        def forward(ctx: object, x: pargrad.Tensor) -> np.ndarray:
+            return x.data.copy()
+
+        @staticmethod
+        def backward(ctx: object, g: pargrad.Tensor) -> pargrad.Tensor:
+            started.set()
+            release.wait(10)
+            return g
+
+    x = pargrad.tensor(np.ones(2), requires_grad=True)
+    caller = threading.Thread(target=lambda: Gate.apply(x).sum().backward(engine=engine))
+    caller.start()
+    assert started.wait(10)
+    stopper = threading.Thread(target=engine.shutdown)
+    stopper.start()
+    stopper.join(0.2)
+    assert stopper.is_alive()  # waiting for the backward in flight
+    release.set()
+    caller.join(10)
+    stopper.join(10)
+    assert not stopper.is_alive() and not caller.is_alive()
+    np.testing.assert_array_equal(x.grad.data, [1.0, 1.0])
+
+
+def test_shutdown_from_inside_a_backward_is_refused() -> None:
+    engine = pargrad.ThreadedEngine(workers=1)
+    seen: list[BaseException] = []
+
+    class Stop(pargrad.Function):
+        @staticmethod
+        def forward(ctx: object, x: pargrad.Tensor) -> np.ndarray:
+            return x.data.copy()
+
+        @staticmethod
+        def backward(ctx: object, g: pargrad.Tensor) -> pargrad.Tensor:
+            try:
+                engine.shutdown()
+            except RuntimeError as exc:
+                seen.append(exc)
+            return g
+
+    x = pargrad.tensor(np.ones(2), requires_grad=True)
+    Stop.apply(x).sum().backward(engine=engine)
+    assert len(seen) == 1 and "inside a backward" in str(seen[0])
+    engine.shutdown()
+
+
+def test_an_engine_nobody_holds_stops_its_workers() -> None:
+    engine = pargrad.ThreadedEngine(workers=2)
+    backward_once(engine)
+    threads = engine.threads()
+    probe = weakref.ref(engine)
+    del engine
+    gc.collect()
+    assert probe() is None
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads)
+
+
+def test_bad_worker_counts() -> None:
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="positive integer"):
+            pargrad.ThreadedEngine(workers=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"workers\['cpu:1'\]"):
+        pargrad.ThreadedEngine(workers={"cpu:1": 0})
+    with pytest.raises(ValueError, match="unknown device type"):
+        pargrad.ThreadedEngine(workers={"gpu": 1})
+
+
+def test_default_worker_count_fits_the_machine() -> None:
+    engine = pargrad.ThreadedEngine()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert engine.workers() == max(1, (cores or 1) - 1)
+    assert "ThreadedEngine(workers=" in repr(engine)
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, env={**os.environ, **env})
+
+
+def test_default_engine_and_the_environment_variable() -> None:
+    assert isinstance(pargrad.get_default_engine(), (pargrad.ThreadedEngine,
+                                                     pargrad.SequentialEngine))
+    code = "import pargrad; print(type(pargrad.get_default_engine()).__name__)"
+    assert run_python(code, PARGRAD_ENGINE="").stdout.strip() == "ThreadedEngine"
+    assert run_python(code, PARGRAD_ENGINE="threaded").stdout.strip() == "ThreadedEngine"
+    assert run_python(code, PARGRAD_ENGINE="Sequential").stdout.strip() == "SequentialEngine"
+    bad = run_python(code, PARGRAD_ENGINE="gpu")
+    assert bad.returncode != 0 and "PARGRAD_ENGINE='gpu' is not an engine" in bad.stderr
+
+
+def test_workers_never_keep_the_interpreter_alive() -> None:
+    # A pool with idle workers, and one with a backward still running on a worker when
+    # the main thread ends: the interpreter exits either way.
+    code = """
+import threading, time, numpy as np, pargrad
+engine = pargrad.ThreadedEngine(workers=2)
+x = pargrad.tensor(np.ones(2), requires_grad=True)
+(x * 2).sum().backward(engine=engine)
+class Slow(pargrad.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.data.copy()
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(30)
+        return g
+threading.Thread(target=lambda: Slow.apply(x).sum().backward(engine=engine),
+                 daemon=True).start()
+time.sleep(0.2)
+print("exiting")
+"""
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "exiting"
