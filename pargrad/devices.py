@@ -15,6 +15,7 @@ modules in ``to``, and rules that call ``xp`` instead of ``np``; no engine chang
 
 from __future__ import annotations
 
+import os
 import threading
 from types import ModuleType
 from typing import Any
@@ -95,6 +96,14 @@ def device(spec: str | Device) -> Device:
         if found is None:
             found = _devices[(kind, index)] = Device(kind, index)
         return found
+
+
+def available_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask, where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity masks on this platform
+        return os.cpu_count() or 1
 
 
 CPU = device("cpu")

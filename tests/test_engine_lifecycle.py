@@ -171,3 +171,33 @@ print("exiting")
     result = run_python(code)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "exiting"
+
+
+def test_limit_blas_holds_during_the_backward_and_is_restored() -> None:
+    from pargrad.engine import blas
+
+    before = blas.thread_counts()
+    if not before:
+        pytest.skip("threadpoolctl finds no BLAS library in this process")
+    seen: list[list[int]] = []
+
+    class Probe(pargrad.Function):
+        @staticmethod
+        def forward(ctx: object, x: pargrad.Tensor) -> np.ndarray:
+            return x.data.copy()
+
+        @staticmethod
+        def backward(ctx: object, g: pargrad.Tensor) -> pargrad.Tensor:
+            seen.append(blas.thread_counts())
+            return g
+
+    x = pargrad.tensor(np.ones(2), requires_grad=True)
+    with pargrad.ThreadedEngine(workers=1, limit_blas=True) as engine:
+        Probe.apply(x).sum().backward(engine=engine)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    wanted = max(1, (cores or 1) // 2)
+    assert seen == [[min(wanted, b) for b in before]]
+    assert blas.thread_counts() == before
+    with pargrad.ThreadedEngine(workers=1) as engine:  # off by default: BLAS left alone
+        Probe.apply(x).sum().backward(engine=engine)
+    assert seen[-1] == before

@@ -38,13 +38,13 @@ from __future__ import annotations
 
 import heapq
 import math
-import os
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 
-from pargrad.devices import CPU, Device, device
+from pargrad.devices import CPU, Device, available_cores, device
+from pargrad.engine import blas
 from pargrad.engine.base import Engine, _engine_stack
 from pargrad.engine.graph_task import GraphTask, NodeTask, Ready
 from pargrad.engine.ready_queue import ReadyQueue
@@ -64,14 +64,6 @@ ENGINE_HINT = "; set PARGRAD_ENGINE=sequential to rerun on the reference engine"
 # threads: the pool and device they work for), ``depth`` (backward calls nested on this
 # thread's stack) and ``task`` (the GraphTask whose node this thread is running).
 _local = threading.local()
-
-
-def available_cores() -> int:
-    """The CPU cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not on every platform
-        return os.cpu_count() or 1
 
 
 def default_workers() -> int:
@@ -331,6 +323,12 @@ class ThreadedEngine(Engine):
             agree with the reference to rounding.
         handoff_threshold: a ready node whose gradients in and out have fewer array
             elements than this stays on the thread that made it ready.
+        limit_blas: while a backward runs, give numpy's BLAS ``cores // (workers + 1)``
+            threads (at least 1), so that engine threads running matmuls at once do not
+            oversubscribe the cores (``engine/blas.py``, through threadpoolctl). Off by
+            default: it pays off for graphs with parallel matmul branches, but a BLAS that
+            just ran on all cores keeps its threads spinning for a while, and an MLP's
+            backward ran 1.7x slower with it (docs/performance.md).
 
     ``execute`` blocks the caller, who works meanwhile. Thread-safe: any number of
     threads may run backward calls on one engine at once, and nodes may call backward
@@ -351,10 +349,12 @@ class ThreadedEngine(Engine):
         *,
         deterministic: bool = False,
         handoff_threshold: int = DEFAULT_HANDOFF_THRESHOLD,
+        limit_blas: bool = False,
     ) -> None:
         self._pool = _Pool(workers)
         self.deterministic = bool(deterministic)
         self.handoff_threshold = int(handoff_threshold)
+        self.limit_blas = bool(limit_blas)
         weakref.finalize(self, self._pool.shutdown, False)
 
     def __repr__(self) -> str:
@@ -402,6 +402,9 @@ class ThreadedEngine(Engine):
         finally:
             _set_enabled(previous_mode)
         depth = getattr(_local, "depth", 0)
+        outermost = parent is None and on is CPU and getattr(_local, "pool", None) is None
+        if outermost and self.limit_blas:
+            blas.limit(max(1, available_cores() // (pool.workers(CPU) + 1)))
         try:
             if depth >= MAX_REENTRANT_DEPTH:
                 helper = threading.Thread(target=_help, args=(task, ready, on, queue, pool),
@@ -417,6 +420,9 @@ class ThreadedEngine(Engine):
         except BaseException as exc:
             task.fail(exc)  # cancel what is left; the first error stays the first
             raise
+        finally:
+            if outermost and self.limit_blas:
+                blas.restore()
         error = task.error
         if error is not None:
             raise _with_hint(error)
