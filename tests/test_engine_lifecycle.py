@@ -201,3 +201,57 @@ def test_limit_blas_holds_during_the_backward_and_is_restored() -> None:
     with pargrad.ThreadedEngine(workers=1) as engine:  # off by default: BLAS left alone
         Probe.apply(x).sum().backward(engine=engine)
     assert seen[-1] == before
+
+
+@pytest.mark.timeout(30)
+def test_an_empty_backward_returns(engine: pargrad.Engine) -> None:
+    pargrad.backward([], engine=engine)  # nothing to do, on every engine
+
+
+class Slow(pargrad.Function):
+    """Identity whose backward waits for ``gate`` (if set) and may run a nested backward."""
+
+    gate: threading.Event | None = None
+    nested = False
+
+    @staticmethod
+    def forward(ctx: object, x: pargrad.Tensor) -> np.ndarray:
+        return x.data.copy()
+
+    @staticmethod
+    def backward(ctx: object, g: pargrad.Tensor) -> pargrad.Tensor:
+        if Slow.gate is not None:
+            Slow.gate.wait(10)
+        if Slow.nested:
+            inner = pargrad.tensor(np.ones(2), requires_grad=True)
+            with pargrad.enable_grad():
+                (inner * 2).sum().backward()
+        return g
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("wait", [False, True])
+def test_shutdown_lets_backward_calls_in_flight_finish(wait: bool) -> None:
+    engine = pargrad.ThreadedEngine(workers=1, handoff_threshold=1)
+    x = pargrad.tensor(np.ones(2), requires_grad=True)
+    Slow.gate, Slow.nested = threading.Event(), True
+    try:
+        loss = pargrad.stack([Slow.apply(x * 2.0).sum(), Slow.apply(x * 3.0).sum()]).sum()
+        caller = threading.Thread(target=lambda: loss.backward(engine=engine))
+        caller.start()
+        stopper = threading.Thread(target=engine.shutdown, args=(wait,))
+        stopper.start()
+        stopper.join(0.3)
+        assert stopper.is_alive() == wait  # shutdown(wait=True) waits for the call
+        with pytest.raises(RuntimeError, match="shut down"):
+            backward_once(engine)  # new calls are refused at once
+        Slow.gate.set()  # the nodes in flight run their nested backward calls
+        caller.join(10)
+        stopper.join(10)
+    finally:
+        Slow.gate, Slow.nested = None, False
+    assert not caller.is_alive() and not stopper.is_alive()
+    np.testing.assert_array_equal(x.grad.data, [5.0, 5.0])  # nothing lost
+    for t in engine.threads():
+        t.join(10)
+    assert not any(t.is_alive() for t in engine.threads())

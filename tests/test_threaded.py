@@ -142,6 +142,47 @@ def test_create_graph_on_workers_matches_the_reference(recipe: GraphRecipe,
                    second(pargrad.SequentialEngine()))
 
 
+class Delayed(pargrad.Function):
+    """x * c whose backward waits ``delay`` seconds first, so that branches finish (and
+    record their part of the backward graph) in the reverse of the reference's order."""
+
+    @staticmethod
+    def forward(ctx: Any, x: pargrad.Tensor, c: float, delay: float) -> np.ndarray:
+        ctx.save_for_backward(x)
+        ctx.c, ctx.delay = c, delay
+        return x.data * c
+
+    @staticmethod
+    def backward(ctx: Any, g: pargrad.Tensor) -> tuple[pargrad.Tensor, None, None]:
+        time.sleep(ctx.delay)
+        (x,) = ctx.saved_tensors
+        return g * x * ctx.c, None, None
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_deterministic_double_backward_is_bitwise(seed: int) -> None:
+    # The graph a backward records must be the reference's too, or a second backward
+    # through it sums in an order that depends on which thread ran first.
+    rng = np.random.default_rng(seed)
+    cs = rng.standard_normal(4) * 10.0 ** rng.integers(-8, 8, 4)
+    x0, w = rng.standard_normal(5), rng.standard_normal(5)
+
+    def run(engine: pargrad.Engine) -> tuple[np.ndarray, np.ndarray]:
+        x = pargrad.tensor(x0, requires_grad=True)
+        loss = Delayed.apply(x, cs[0], 0.0).sum()
+        for c, delay in zip(cs[1:], (0.01, 0.02, 0.03)):
+            loss = loss + Delayed.apply(x, c, delay).sum()
+        loss.backward(create_graph=True, engine=engine)
+        first = x.grad
+        x.grad = None
+        (first * pargrad.tensor(w)).sum().backward(engine=engine)
+        return first.data, x.grad.data
+
+    want = run(pargrad.SequentialEngine())
+    got = run(threaded(3, deterministic=True, handoff_threshold=0))
+    assert got[0].tobytes() == want[0].tobytes() and got[1].tobytes() == want[1].tobytes()
+
+
 # ----- many callers, slow nodes, failures -----
 
 def run_in_threads(target: Any, count: int) -> None:

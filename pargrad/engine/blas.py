@@ -55,13 +55,13 @@ def limit(threads: int) -> None:
     """Give BLAS at most ``threads`` threads until the matching ``restore``."""
     global _entered
     with _lock:
-        _entered += 1
-        if _entered == 1:
+        if _entered == 0:
             libraries = _blas_libraries()
             _original[:] = [lib.get_num_threads() for lib in libraries]
             for lib, original in zip(libraries, _original):
                 if threads < original:
                     lib.set_num_threads(threads)
+        _entered += 1
 
 
 def restore() -> None:

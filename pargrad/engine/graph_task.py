@@ -91,6 +91,10 @@ class GraphTask:
         self.retain_graph = retain_graph
         self.create_graph = create_graph
         self.deterministic = deterministic
+        # Deterministic and recording a graph: run every node on the calling thread in
+        # the reference's order, so the recorded graph (its sequence numbers, hence the
+        # order a second backward sums in) is the reference's too.
+        self.serial = deterministic and create_graph
         self.depth = depth  # reentrant nesting: 0 for a backward not called from a node
         self._on_done = on_done
         root_nodes = {node for node, _ in roots if node is not None}
@@ -173,7 +177,7 @@ class GraphTask:
                 leaves.append(item)
         if leaves:
             runnable = [item for item in ready if not isinstance(item[0], AccumulateGrad)]
-        elif len(runnable) == finished:
+        elif finished and len(runnable) == finished:
             # As many made as finished (a chain): the count stays as it is, and it counts
             # the new node already, so no lock is needed to leave it unchanged.
             return runnable
@@ -184,6 +188,9 @@ class GraphTask:
             self._outstanding += len(runnable) - finished
             complete = self._outstanding == 0
         if complete:
+            for stripe in self._stripes:  # a failed task leaves buffers behind: drop them
+                with stripe.lock:
+                    stripe.buffers.clear()
             self.done.set()
             self._on_done(self)
         return runnable

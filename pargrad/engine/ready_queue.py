@@ -60,6 +60,10 @@ class ReadyQueue(Generic[T]):
                 self._waiting += 1
                 try:
                     self.not_empty.wait()
+                except BaseException:
+                    if self._heap:  # a notify meant for this waiter must not be lost
+                        self.not_empty.notify()
+                    raise
                 finally:
                     self._waiting -= 1
 

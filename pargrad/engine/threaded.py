@@ -107,9 +107,11 @@ class _Pool:
                     self._threads.append(thread)
             return found
 
-    def task_started(self) -> None:
+    def task_started(self, nested: bool) -> None:
+        """Count a new backward call; refused after shutdown unless ``nested`` (called
+        from a node of a backward still in flight, which shutdown waits for)."""
         with self._lock:
-            if self._closed:
+            if self._closed and not nested:
                 raise RuntimeError("this ThreadedEngine was shut down; make a new one")
             self._active += 1
 
@@ -118,23 +120,31 @@ class _Pool:
             self._active -= 1
             if self._active == 0:
                 self.all_tasks_done.notify_all()
+                if self._closed:
+                    self._close_queues()
+
+    def _close_queues(self) -> None:
+        """Let the workers exit. Holds ``_lock``; only once no backward is in flight, so
+        no work can be put on a queue after its workers left."""
+        for q in self._queues.values():
+            q.close()
 
     def threads(self) -> list[threading.Thread]:
         with self._lock:
             return list(self._threads)
 
     def shutdown(self, wait: bool) -> None:
-        """Refuse new work; with ``wait``, let running backward calls finish first and
-        join the workers. Idempotent."""
+        """Refuse new backward calls; the ones in flight still finish, and the workers
+        exit after them. With ``wait``, block until then and join the workers.
+        Idempotent."""
         with self._lock:
             self._closed = True
             if wait:
                 while self._active:
                     self.all_tasks_done.wait()
-            queues = list(self._queues.values())
+            if not self._active:
+                self._close_queues()
             threads = list(self._threads)
-        for q in queues:
-            q.close()
         if wait:
             for thread in threads:
                 thread.join()
@@ -189,19 +199,24 @@ of one GraphTask (whose sequence numbers are distinct). Newest first, as the ref
 runs them, so a backward that stays on one thread sums in the reference's order."""
 
 
-def _process_item(item: NodeTask, on: Device, *, reraise: bool) -> None:
+def _process_item(item: NodeTask, on: Device, *, reraise: bool,
+                  owner: GraphTask | None = None) -> None:
     assert item.inputs is not None
     local: Local = [(-item.node.sequence_nr, item.node, item.inputs)]
     item.inputs = None
-    _process(item.task, local, on, reraise=reraise)
+    _process(item.task, local, on, reraise=reraise, owner=owner)
 
 
-def _process(task: GraphTask, local: Local, on: Device, *, reraise: bool) -> None:
+def _process(task: GraphTask, local: Local, on: Device, *, reraise: bool,
+             owner: GraphTask | None = None) -> None:
     """Run the nodes on ``local`` and the work they keep, on this thread (see the module
     doc): each node's backward, then the delivery of its gradients along its edges.
 
     With ``reraise``, an exception that is not an ``Exception`` (KeyboardInterrupt) is
-    recorded in the task and raised again here; otherwise nothing escapes.
+    recorded in the task and raised again here; otherwise nothing escapes. ``owner`` is
+    the task of the backward this thread is waiting for: an interrupt while running
+    another caller's node fails that task with a BackwardError saying so, and reaches
+    only this thread's caller as the interrupt itself.
     """
     engine = task.engine
     assert isinstance(engine, ThreadedEngine)
@@ -232,7 +247,13 @@ def _process(task: GraphTask, local: Local, on: Device, *, reraise: bool) -> Non
                                 ready.append((next_node, got))
                     del outputs
                 except BaseException as exc:
-                    task.fail(exc, node)
+                    if isinstance(exc, Exception) or task is owner or owner is None:
+                        task.fail(exc, node)
+                    else:
+                        other = BackwardError(node.name(), f"interrupted by {exc!r} in "
+                                                           f"{threading.current_thread().name}")
+                        other.__cause__ = exc
+                        task.fail(other, node)
                     if reraise and not isinstance(exc, Exception):
                         interrupt = exc
             if len(ready) == 1 and not isinstance(ready[0][0], AccumulateGrad):
@@ -261,6 +282,10 @@ def _schedule(engine: ThreadedEngine, task: GraphTask, runnable: list[Ready], on
 
     A cheap node often leads on into expensive work (the chain of adds that sums several
     branches), so it is the expensive nodes that are handed off, not the cheap ones."""
+    if task.serial:  # every node on this thread, in the reference's order
+        for node, inputs in runnable:
+            heapq.heappush(local, (-node.sequence_nr, node, inputs))
+        return
     runnable.sort(key=lambda r: r[0].sequence_nr, reverse=True)  # newest first
     pool = engine._pool
     expensive: list[Ready] = []
@@ -292,13 +317,14 @@ def _drive(task: GraphTask, ready: list[Ready], on: Device, queue: ReadyQueue[No
     assert isinstance(engine, ThreadedEngine)
     if ready:
         _schedule(engine, task, ready, on, local)
+    del ready
     if local:
-        _process(task, local, on, reraise=reraise)
+        _process(task, local, on, reraise=reraise, owner=task)
     while True:
         item = queue.get(stop=task.done)
-        if item is None:
+        if item is None:  # the task is done: queues close only when no task is in flight
             return
-        _process_item(item, on, reraise=reraise)
+        _process_item(item, on, reraise=reraise, owner=task)
         del item
 
 
@@ -381,8 +407,9 @@ class ThreadedEngine(Engine):
         pool = self._pool
         on = _local.device if getattr(_local, "pool", None) is pool else CPU
         parent: GraphTask | None = getattr(_local, "task", None)
-        pool.task_started()  # raises after shutdown
+        pool.task_started(nested=parent is not None)  # raises after shutdown
         previous_mode = is_grad_enabled()
+        task: GraphTask | None = None
         try:
             queue = pool.queue(on)
 
@@ -397,15 +424,18 @@ class ThreadedEngine(Engine):
             _set_enabled(create_graph)
             ready = task.start()
         except BaseException:
-            pool.task_done()  # nothing of the task was published
+            if task is None or not task.done.is_set():  # else on_done counted it already
+                pool.task_done()  # nothing of the task was published
             raise
         finally:
             _set_enabled(previous_mode)
         depth = getattr(_local, "depth", 0)
         outermost = parent is None and on is CPU and getattr(_local, "pool", None) is None
-        if outermost and self.limit_blas:
-            blas.limit(max(1, available_cores() // (pool.workers(CPU) + 1)))
+        limited = False
         try:
+            if outermost and self.limit_blas:
+                blas.limit(max(1, available_cores() // (pool.workers(CPU) + 1)))
+                limited = True
             if depth >= MAX_REENTRANT_DEPTH:
                 helper = threading.Thread(target=_help, args=(task, ready, on, queue, pool),
                                           name=f"pargrad-{on}-reentrant", daemon=True)
@@ -421,7 +451,7 @@ class ThreadedEngine(Engine):
             task.fail(exc)  # cancel what is left; the first error stays the first
             raise
         finally:
-            if outermost and self.limit_blas:
+            if limited:
                 blas.restore()
         error = task.error
         if error is not None:
