@@ -21,6 +21,9 @@ Guarantees:
   leaf gradients are returned, and ``autograd.backward`` commits them only on success.
 - A ``KeyboardInterrupt`` (or other BaseException) in the calling thread cancels the
   task and is re-raised at once; workers skip what is left of it.
+- A waiting caller takes work from its device's shared queue, so it may run nodes of
+  other callers' backward calls; an interrupt there fails that backward with a
+  BackwardError and reaches only this caller.
 - Reentrant backward (a node that calls backward) does not deadlock: the waiting
   thread keeps running ready work of its device, deepest backward first; past
   ``MAX_REENTRANT_DEPTH`` nested calls on one thread, a helper thread with a fresh stack
@@ -28,7 +31,10 @@ Guarantees:
 - Deterministic mode sums every buffer in the canonical order (docs/design.md §4):
   gradients are bitwise those of ``SequentialEngine``.
 - Workers are daemon threads, started when their device first gets work; an engine that
-  is shut down, or garbage collected, stops them. The interpreter never waits for them.
+  is shut down, or garbage collected, stops them once no backward is in flight. The
+  interpreter never waits for them.
+- Deterministic mode with ``create_graph`` runs every node on the calling thread, so that
+  the recorded graph, and a second backward through it, are the reference's too.
 
 Assumptions: no GIL. Shared state is guarded by the locks named at each field
 (docs/design.md keeps the table); thread-local state (``_local``) is per thread.
