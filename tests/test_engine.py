@@ -403,3 +403,22 @@ def test_node_interface(engine: pargrad.Engine) -> None:
     assert node.num_outputs == 1 and node.next_functions == ()
     with pytest.raises(pargrad.BackwardError, match=r"Bare: NotImplementedError: Bare has no"):
         node.apply([np.array(1.0)], retain_graph=False)
+
+
+def test_a_node_sees_the_engine_running_it(engine: pargrad.Engine) -> None:
+    seen: list[pargrad.Engine] = []
+
+    class Probe(pargrad.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Tensor) -> np.ndarray:
+            return x.data.copy()
+
+        @staticmethod
+        def backward(ctx: Any, g: Tensor) -> Tensor:
+            seen.append(pargrad.current_engine())
+            return g
+
+    x = leaf([1.0, 2.0])
+    with pargrad.use_engine(pargrad.SequentialEngine()):  # not the engine passed below
+        Probe.apply(x).sum().backward(engine=engine)
+    assert seen == [engine]

@@ -38,10 +38,11 @@ class Engine(ABC):
         """Backpropagate ``grads`` from the ``roots`` edges through the graph.
 
         Blocks until done. Returns the total gradient gathered at each leaf's
-        AccumulateGrad (leaves that got none are absent). Gradients are summed in
-        canonical order (docs/design.md). Runs node backwards with grad mode set to
-        ``create_graph``; frees saved values unless ``retain_graph``. Raises the
-        ``BackwardError`` of the first failing node.
+        AccumulateGrad (leaves that got none are absent). ``SequentialEngine`` (and
+        ``ThreadedEngine(deterministic=True)``) sum gradients in the canonical order of
+        docs/design.md §4; an engine that does not says so. Runs node backwards with
+        grad mode set to ``create_graph``, with this engine current; frees saved values
+        unless ``retain_graph``. Raises the ``BackwardError`` of the first failing node.
         """
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from pargrad.engine.base import Engine
+from pargrad.engine.base import Engine, use_engine
 from pargrad.engine.buffer import InputBuffer
 from pargrad.grad_mode import set_grad_enabled
 from pargrad.graph import AccumulateGrad, Dependencies, Edge, Grad, Node
@@ -56,7 +56,7 @@ class SequentialEngine(Engine):
             buffer.accumulate(output_nr, grad)
 
         captured: dict[AccumulateGrad, Grad] = {}
-        with set_grad_enabled(create_graph):
+        with set_grad_enabled(create_graph), use_engine(self):  # nested backward: here too
             for (node, output_nr), grad in zip(roots, grads):
                 if node is not None:
                     deliver(node, output_nr, grad)

@@ -283,8 +283,9 @@ def _process(task: GraphTask, local: Local, on: Device, *, reraise: bool,
 def _schedule(engine: ThreadedEngine, task: GraphTask, runnable: list[Ready], on: Device,
               local: Local) -> None:
     """Keep on ``local`` the cheap ready nodes of device ``on``, and put the expensive ones
-    on its ReadyQueue; if none is cheap, keep the newest expensive one to run next. Nodes
-    of other devices go to the ReadyQueues of their devices.
+    on its ReadyQueue; if it keeps none and has nothing left to run, it keeps the newest
+    expensive one rather than idle. Nodes of other devices go to the ReadyQueues of their
+    devices.
 
     A cheap node often leads on into expensive work (the chain of adds that sums several
     branches), so it is the expensive nodes that are handed off, not the cheap ones."""
