@@ -369,26 +369,6 @@ def test_reentrant_backward_from_many_branches_at_once() -> None:
     assert len(Nested.seen) == 8 * 3
 
 
-def test_nodes_see_the_engine_running_them_as_current() -> None:
-    engine = threaded(2)
-    seen: list[pargrad.Engine] = []
-
-    class Probe(pargrad.Function):
-        @staticmethod
-        def forward(ctx: Any, x: pargrad.Tensor) -> np.ndarray:
-            return x.data.copy()
-
-        @staticmethod
-        def backward(ctx: Any, g: pargrad.Tensor) -> pargrad.Tensor:
-            seen.append(pargrad.current_engine())
-            return g
-
-    x = pargrad.tensor(np.ones(2), requires_grad=True)
-    pargrad.stack([Probe.apply(x * k).sum() for k in (1.0, 2.0, 3.0)]).sum().backward(
-        engine=engine)
-    assert seen == [engine] * 3
-
-
 # ----- interrupts -----
 
 @pytest.mark.timeout(60)

@@ -128,19 +128,23 @@ class GraphTask:
         ready: list[Ready] = []
         for node in dict.fromkeys(n for n, _ in self.roots if n is not None):
             if self.dependencies.is_ready(node):
-                ready.append((node, self._buffer(node, pop=True).take()))
+                ready.append((node, self._take(node)))
         return self.finish(ready, finished=0)
 
-    def _buffer(self, node: Node, pop: bool = False) -> InputBuffer | OrderedInputBuffer:
-        """``node``'s buffer, made if it has none (removed with ``pop``). The caller holds
-        the node's stripe lock, or is ``start``."""
+    def _buffer(self, node: Node) -> InputBuffer | OrderedInputBuffer:
+        """``node``'s buffer, made on first use. The caller holds the node's stripe lock,
+        or is ``start``."""
         buffers = self._stripes[node.sequence_nr & _STRIPE_MASK].buffers
-        buffer = buffers.pop(node, None) if pop else buffers.get(node)
+        buffer = buffers.get(node)
         if buffer is None:
-            buffer = self._buffer_type(node.num_outputs)
-            if not pop:
-                buffers[node] = buffer
+            buffer = buffers[node] = self._buffer_type(node.num_outputs)
         return buffer
+
+    def _take(self, node: Node) -> list[Grad | None]:
+        """Remove ``node``'s buffer and return its sums (it is ready). Same locking."""
+        buffer = self._buffer(node)
+        del self._stripes[node.sequence_nr & _STRIPE_MASK].buffers[node]
+        return buffer.take()
 
     def deliver(self, node: Node, output_nr: int, grad: Grad | None,
                 key: Key | None) -> list[Grad | None] | None:
@@ -151,17 +155,11 @@ class GraphTask:
         """
         if node in self._single:
             return [grad]  # what its buffer would hold: the one gradient, or None
-        stripe = self._stripes[node.sequence_nr & _STRIPE_MASK]
-        with stripe.lock:
-            buffers = stripe.buffers
-            buffer = buffers.get(node)
-            if buffer is None:
-                buffer = buffers[node] = self._buffer_type(node.num_outputs)
-            buffer.accumulate(output_nr, grad, key)
+        with self._stripes[node.sequence_nr & _STRIPE_MASK].lock:
+            self._buffer(node).accumulate(output_nr, grad, key)
             if not self.dependencies.release(node, output_nr):
                 return None
-            del buffers[node]
-        return buffer.take()
+            return self._take(node)
 
     def finish(self, ready: list[Ready], finished: int = 1) -> list[Ready]:
         """Account for ``finished`` nodes done and the ``ready`` ones they made.

@@ -67,16 +67,6 @@ class ReadyQueue(Generic[T]):
                 finally:
                     self._waiting -= 1
 
-    def get_nowait(self) -> T | None:
-        """Remove and return the best item, or None at once if there is none."""
-        with self._lock:
-            return heapq.heappop(self._heap)[-1] if self._heap else None
-
-    def idle_waiters(self) -> int:
-        """How many threads are blocked in ``get`` right now (a hint: it may change)."""
-        with self._lock:
-            return self._waiting
-
     def wake_all(self) -> None:
         """Wake every blocked ``get`` so it re-checks its stop event."""
         with self._lock:
@@ -87,7 +77,3 @@ class ReadyQueue(Generic[T]):
         with self._lock:
             self._closed = True
             self.not_empty.notify_all()
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._heap)

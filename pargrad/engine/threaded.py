@@ -262,10 +262,7 @@ def _process(task: GraphTask, local: Local, on: Device, *, reraise: bool,
                         task.fail(other, node)
                     if reraise and not isinstance(exc, Exception):
                         interrupt = exc
-            if len(ready) == 1 and not isinstance(ready[0][0], AccumulateGrad):
-                runnable = ready  # one made for one finished: what finish() would return
-            else:
-                runnable = task.finish(ready)
+            runnable = task.finish(ready)
             if interrupt is not None:
                 for _ in range(len(local) + len(runnable)):  # all of this cancelled task
                     task.finish([])
@@ -437,7 +434,7 @@ class ThreadedEngine(Engine):
         finally:
             _set_enabled(previous_mode)
         depth = getattr(_local, "depth", 0)
-        outermost = parent is None and on is CPU and getattr(_local, "pool", None) is None
+        outermost = parent is None and getattr(_local, "pool", None) is None
         limited = False
         try:
             if outermost and self.limit_blas:
