@@ -8,7 +8,7 @@
 tensor([5., 7.], dtype=float64)
 """
 
-from pargrad.autograd import backward
+from pargrad.autograd import backward, grad
 from pargrad.devices import Device, device
 from pargrad.engine import (
     Engine,
@@ -73,7 +73,8 @@ __all__ = [
     "GradcheckError", "Node", "SequentialEngine", "Tensor", "ThreadedEngine", "abs", "add",
     "astype", "backward", "broadcast_to", "clip", "concatenate", "copy", "cos",
     "current_engine", "device", "divide", "enable_grad", "exp", "expand_dims",
-    "get_default_engine", "gradcheck", "is_grad_enabled", "log", "log_softmax", "logsumexp",
+    "get_default_engine", "grad", "gradcheck", "is_grad_enabled", "log", "log_softmax",
+    "logsumexp",
     "matmul", "max", "maximum", "mean", "min", "minimum", "multiply", "negative", "no_grad",
     "power", "relu", "reshape", "set_default_engine", "set_grad_enabled", "sigmoid", "sin",
     "softmax", "split", "sqrt", "squeeze", "stack", "subtract", "sum", "swapaxes", "tanh",

@@ -1,11 +1,16 @@
-"""``pargrad.backward``: check the roots, run an engine, commit the leaf gradients.
+"""``pargrad.backward`` and ``pargrad.grad``: check the roots, run an engine, hand back
+the gradients (``grad``) or commit them to ``.grad`` (``backward``).
 
 All-or-nothing: leaf gradients are committed to ``.grad`` only after the engine has
 finished the whole graph, so a backward that raises leaves every ``.grad`` as it was.
+The one exception, a leaf with post-accumulate-grad hooks, is committed as soon as its
+gradient is final (so that its hooks can run during the backward) and restored if the
+backward then fails.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,7 +19,7 @@ import numpy as np
 from pargrad.engine.base import Engine, current_engine
 from pargrad.engine.buffer import accumulate
 from pargrad.grad_mode import enable_grad
-from pargrad.graph import AccumulateGrad, Grad
+from pargrad.graph import AccumulateGrad, Edge, Grad
 from pargrad.ops import copy
 from pargrad.tensor import Tensor, grad_lock
 
@@ -24,6 +29,7 @@ def backward(
     grad_tensors: Any = None,
     retain_graph: bool | None = None,
     create_graph: bool = False,
+    inputs: Tensor | Sequence[Tensor] | None = None,
     *,
     engine: Engine | None = None,
 ) -> None:
@@ -34,10 +40,14 @@ def backward(
     with one element. Blocks until the backward is done; thread-safe for independent
     graphs. ``retain_graph`` (default: ``create_graph``) keeps saved values for another
     backward; ``create_graph=True`` records the backward so that it can be differentiated.
+    ``inputs`` (tensors, leaves or not) restricts accumulation to their ``.grad``, and
+    runs only the nodes on a path to them. Non-leaf tensors marked with ``retain_grad``
+    get their ``.grad`` too.
 
     Raises TypeError/ValueError/RuntimeError for bad roots or gradients, and
     ``BackwardError`` (naming the node, original exception chained) if a node fails;
-    in both cases no ``.grad`` is changed.
+    in both cases no ``.grad`` is changed (a post-accumulate-grad hook that ran is not
+    undone, but the ``.grad`` it saw is restored).
 
     >>> import pargrad
     >>> x = pargrad.tensor([1.0, 2.0, 3.0], requires_grad=True)
@@ -45,28 +55,166 @@ def backward(
     >>> x.grad
     tensor([2., 4., 6.], dtype=float64)
     """
-    roots = _as_tensors(tensors)
+    roots = _as_tensors(tensors, "backward")
     grads = _root_grads(roots, grad_tensors, create_graph)
+    targets = None if inputs is None else _inputs(inputs, "backward")
     if retain_graph is None:
         retain_graph = create_graph
     run = engine if engine is not None else current_engine()
-    captured = run.execute(
-        [t._edge() for t in roots], grads, retain_graph=retain_graph, create_graph=create_graph
-    )
-    _commit(captured, create_graph)
+    early = _EarlyCommits(create_graph)
+    try:
+        kept = run.execute(
+            [t._edge() for t in roots], grads, retain_graph=retain_graph,
+            create_graph=create_graph,
+            inputs=None if targets is None else [t._edge() for t in targets],
+            on_kept=early,
+        )
+    except BaseException:
+        early.undo()
+        raise
+    receivers = {} if targets is None else {t._edge(): t for t in targets}
+    with grad_lock, enable_grad():
+        for edge, grad in kept.items():
+            tensor = _receiver(edge, receivers)
+            if tensor is not None:
+                _add_to_grad(tensor, grad, create_graph)
 
 
-def _as_tensors(tensors: Any) -> tuple[Tensor, ...]:
+def grad(
+    outputs: Tensor | Sequence[Tensor],
+    inputs: Tensor | Sequence[Tensor],
+    grad_outputs: Any = None,
+    retain_graph: bool | None = None,
+    create_graph: bool = False,
+    allow_unused: bool | None = None,
+    materialize_grads: bool = False,
+    *,
+    engine: Engine | None = None,
+) -> tuple[Tensor | None, ...]:
+    """Return the gradients of ``outputs`` with respect to ``inputs``; touch no ``.grad``.
+
+    Only the nodes on a path from the outputs to the inputs run. ``inputs`` may be
+    leaves or not; the result has one entry per input. ``grad_outputs``,
+    ``retain_graph`` and ``create_graph`` are as ``backward``'s ``grad_tensors``,
+    ``retain_graph`` and ``create_graph`` (with ``create_graph`` the gradients have a
+    graph of their own). An input that gets no gradient (not used to compute the
+    outputs) raises RuntimeError unless ``allow_unused=True``; its entry is then None,
+    or zeros with ``materialize_grads=True`` (which implies ``allow_unused``). Blocks
+    until done; thread-safe. Errors as ``backward``'s.
+
+    >>> import pargrad
+    >>> x = pargrad.tensor([1.0, 2.0], requires_grad=True)
+    >>> y = x * x
+    >>> pargrad.grad(y.sum(), [x, y])
+    (tensor([2., 4.], dtype=float64), tensor([1., 1.], dtype=float64))
+    >>> x.grad is None
+    True
+    """
+    if materialize_grads and allow_unused is False:
+        raise ValueError("grad: materialize_grads=True needs allow_unused=True (or unset)")
+    allow_unused = materialize_grads if allow_unused is None else allow_unused
+    roots = _as_tensors(outputs, "grad")
+    targets = _inputs(inputs, "grad")
+    grads = _root_grads(roots, grad_outputs, create_graph)
+    if retain_graph is None:
+        retain_graph = create_graph
+    run = engine if engine is not None else current_engine()
+    edges = [t._edge() for t in targets]
+    kept = run.execute([t._edge() for t in roots], grads, retain_graph=retain_graph,
+                       create_graph=create_graph, inputs=edges)
+    results: list[Tensor | None] = []
+    for i, (target, edge) in enumerate(zip(targets, edges)):
+        got = kept.get(edge)
+        if got is None:
+            if not allow_unused:
+                raise RuntimeError(
+                    f"grad: inputs[{i}] got no gradient: it was not used to compute the "
+                    f"outputs; pass allow_unused=True to get None for it"
+                )
+            results.append(Tensor._make(np.zeros(target.shape, target.dtype),
+                                        device=target.device) if materialize_grads else None)
+        elif isinstance(got, Tensor):
+            results.append(got)
+        else:  # its own memory, as a .grad would be
+            results.append(Tensor._make(np.array(got), device=target.device))
+    return tuple(results)
+
+
+class _EarlyCommits:
+    """``on_kept`` for backward: commit a leaf that has post-accumulate-grad hooks as soon
+    as its gradient is final, then run its hooks; ``undo`` restores those ``.grad``s if
+    the backward fails. Called on engine threads, concurrently for different leaves.
+    """
+
+    def __init__(self, create_graph: bool) -> None:
+        self.create_graph = create_graph
+        # Guards _done: (leaf, its .grad before, its .grad after) per early commit.
+        self._lock = threading.Lock()
+        self._done: list[tuple[Tensor, Tensor | None, Tensor | None]] = []
+
+    def __call__(self, edge: Edge, grad: Grad) -> bool:
+        node = edge[0]
+        if not isinstance(node, AccumulateGrad):
+            return False
+        hooks = node._hooks
+        if hooks is None or not hooks.post_accumulate:
+            return False
+        leaf = node.variable
+        with grad_lock, enable_grad():
+            before = leaf._grad
+            _add_to_grad(leaf, grad, self.create_graph)
+            after = leaf._grad
+        with self._lock:
+            self._done.append((leaf, before, after))
+        for _, hook in hooks.post_accumulate:
+            node._call(hook, "post-accumulate-grad hook", leaf)
+        return True
+
+    def undo(self) -> None:
+        with grad_lock, self._lock:
+            for leaf, before, after in reversed(self._done):
+                if leaf._grad is after:  # else another backward has added to it since
+                    leaf._grad = before
+
+
+def _receiver(edge: Edge, receivers: dict[Edge, Tensor]) -> Tensor | None:
+    """The tensor whose ``.grad`` a kept gradient goes to: the input it was asked for,
+    the leaf of an accumulator, or a tensor marked with ``retain_grad`` (if alive)."""
+    node, output_nr = edge
+    if receivers:
+        return receivers.get(edge)
+    if isinstance(node, AccumulateGrad):
+        return node.variable
+    retains = node._hooks.retains if node is not None and node._hooks is not None else {}
+    ref = retains.get(output_nr)
+    return None if ref is None else ref()
+
+
+def _as_tensors(tensors: Any, caller: str) -> tuple[Tensor, ...]:
     roots = (tensors,) if isinstance(tensors, Tensor) else tuple(tensors)
+    what = "tensors" if caller == "backward" else "outputs"
     for i, t in enumerate(roots):
         if not isinstance(t, Tensor):
-            raise TypeError(f"backward: tensors[{i}] is a {type(t).__name__}, not a Tensor")
+            raise TypeError(f"{caller}: {what}[{i}] is a {type(t).__name__}, not a Tensor")
         if not t.requires_grad:
             raise RuntimeError(
-                f"backward: tensors[{i}] does not require grad and has no grad_fn, so there "
+                f"{caller}: {what}[{i}] does not require grad and has no grad_fn, so there "
                 f"is nothing to differentiate; make its inputs with requires_grad=True"
             )
     return roots
+
+
+def _inputs(inputs: Any, caller: str) -> tuple[Tensor, ...]:
+    targets = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
+    if not targets:
+        raise ValueError(f"{caller}: inputs must not be empty")
+    for i, t in enumerate(targets):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{caller}: inputs[{i}] is a {type(t).__name__}, not a Tensor")
+        if not t.requires_grad:
+            raise RuntimeError(f"{caller}: inputs[{i}] does not require grad, so it can get "
+                               f"no gradient; make it with requires_grad=True")
+    return targets
 
 
 def _root_grads(roots: tuple[Tensor, ...], grad_tensors: Any, create_graph: bool) -> list[Grad]:
@@ -109,20 +257,18 @@ def _root_grad(i: int, root: Tensor, grad: Any, create_graph: bool) -> Grad:
     return array
 
 
-def _commit(captured: dict[AccumulateGrad, Grad], create_graph: bool) -> None:
-    """Add each leaf's gathered gradient to its ``.grad``, never in place.
+def _add_to_grad(tensor: Tensor, grad: Grad, create_graph: bool) -> None:
+    """Add a gathered gradient to ``tensor.grad``, never in place.
 
     A new ``.grad`` is a copy, so it never shares memory with a gradient that the
     caller, another leaf or the graph still holds. With ``create_graph`` the copy and
-    the sum are recorded, so ``.grad`` can be differentiated. Holds ``grad_lock``.
+    the sum are recorded, so ``.grad`` can be differentiated. The caller holds
+    ``grad_lock`` and has grad mode enabled.
     """
-    with grad_lock, enable_grad():
-        for accumulator, grad in captured.items():
-            leaf = accumulator.variable
-            old = leaf._grad
-            if create_graph:
-                leaf._grad = copy(grad) if old is None else accumulate(old, False, copy(grad))[0]
-            elif old is None:
-                leaf._grad = Tensor._make(np.array(grad), device=leaf.device)
-            else:
-                leaf._grad = Tensor._make(accumulate(old.data, False, grad)[0], device=leaf.device)
+    old = tensor._grad
+    if create_graph:
+        tensor._grad = copy(grad) if old is None else accumulate(old, False, copy(grad))[0]
+    elif old is None:
+        tensor._grad = Tensor._make(np.array(grad), device=tensor.device)
+    else:
+        tensor._grad = Tensor._make(accumulate(old.data, False, grad)[0], device=tensor.device)

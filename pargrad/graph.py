@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pargrad.devices import CPU, Device
+from pargrad.hooks import Hook, NodeHooks, RemovableHandle
 from pargrad.shapes import sum_to
 
 if TYPE_CHECKING:
@@ -73,8 +74,8 @@ class Node:
     while it runs; engines enable it only for ``create_graph=True``.
     """
 
-    __slots__ = ("__weakref__", "_input_meta", "_output_meta", "_released", "device",
-                 "next_functions", "sequence_nr")
+    __slots__ = ("__weakref__", "_hooks", "_input_meta", "_output_meta", "_released",
+                 "device", "next_functions", "sequence_nr")
 
     def __init__(
         self,
@@ -89,6 +90,98 @@ class Node:
         self._released = False
         self.device = device
         self.sequence_nr = next_sequence_nr()
+        self._hooks: NodeHooks | None = None  # made by the first hook registered
+
+    def register_prehook(self, hook: Hook) -> RemovableHandle:
+        """Call ``hook(grad_outputs)`` before this node's backward runs.
+
+        ``grad_outputs`` is a tuple with one Tensor (or None) per output; the hook may
+        return a tuple of replacements. Returns a handle whose ``remove()`` unregisters it.
+        """
+        return self._hooks_made().add("pre", hook)
+
+    def register_hook(self, hook: Hook) -> RemovableHandle:
+        """Call ``hook(grad_inputs, grad_outputs)`` after this node's backward ran.
+
+        ``grad_inputs`` has one Tensor (or None) per edge in ``next_functions``; the hook
+        may return a tuple of replacements. Returns a handle with ``remove()``.
+        """
+        return self._hooks_made().add("post", hook)
+
+    def _hooks_made(self) -> NodeHooks:
+        with _hooks_made_lock:
+            if self._hooks is None:
+                self._hooks = NodeHooks()
+            return self._hooks
+
+    def run_tensor_hooks(self, grads: list[Grad | None]) -> list[Grad | None]:
+        """Pass each output's gradient through the tensor hooks registered on it.
+
+        Engines call this before keeping or using the gradients of a node that has hooks.
+        Raises ``BackwardError`` naming this node if a hook fails or returns a gradient
+        that does not fit.
+        """
+        hooks = self._hooks
+        if hooks is None or not hooks.tensor:
+            return grads
+        grads = list(grads)
+        for output_nr, registered in hooks.tensor.items():
+            grad = grads[output_nr]
+            if grad is None:
+                continue
+            for _, hook in registered:
+                grad = self._replace(grad, self._call(hook, "tensor hook", _wrap(grad, self)),
+                                     self._output_meta[output_nr], f"output {output_nr}")
+            grads[output_nr] = grad
+        return grads
+
+    def _call(self, hook: Hook, kind: str, *args: Any) -> Any:
+        try:
+            return hook(*args)
+        except BackwardError:
+            raise
+        except Exception as exc:
+            name = getattr(hook, "__qualname__", type(hook).__name__)
+            raise BackwardError(self.name(), f"{kind} {name} raised {type(exc).__name__}: "
+                                             f"{exc}") from exc
+
+    def _replace(self, old: Grad, new: Any, meta: Meta | None, what: str) -> Grad:
+        """``new`` (a hook's result) in place of the gradient ``old``, checked."""
+        if new is None:
+            return old
+        array = getattr(new, "data", new)
+        if meta is not None and (np.shape(array) != meta[0] or
+                                 getattr(array, "dtype", None) != meta[1]):
+            raise BackwardError(
+                self.name(),
+                f"a hook returned a gradient of shape {np.shape(array)} and dtype "
+                f"{getattr(array, 'dtype', type(array).__name__)} for {what}, which has shape "
+                f"{meta[0]} and dtype {meta[1]}",
+            )
+        keeps_graph = not isinstance(old, np.ndarray)  # recording a graph: Tensors
+        return new if keeps_graph or not hasattr(new, "data") else new.data
+
+    def _run_pre_hooks(self, hooks: NodeHooks, grads: tuple[Grad, ...]) -> tuple[Grad, ...]:
+        for _, hook in hooks.pre:
+            result = self._call(hook, "pre-hook", tuple(_wrap(g, self) for g in grads))
+            if result is not None:
+                replaced = zip(grads, _fit(self, result, grads), self._output_meta)
+                grads = tuple(self._replace(old, new, meta, f"output {i}")
+                              for i, (old, new, meta) in enumerate(replaced))
+        return grads
+
+    def _run_post_hooks(self, hooks: NodeHooks, grad_inputs: list[Grad | None],
+                        grads: tuple[Grad, ...]) -> list[Grad | None]:
+        outputs = tuple(_wrap(g, self) for g in grads)
+        for _, hook in hooks.post:
+            result = self._call(hook, "hook", tuple(_wrap(g, self) for g in grad_inputs),
+                                outputs)
+            if result is not None:
+                grad_inputs = [old if new is None else self._replace(old, new, meta, f"input {i}")
+                               for i, (old, new, meta)
+                               in enumerate(zip(grad_inputs, _fit(self, result, grad_inputs),
+                                                self._input_meta))]
+        return grad_inputs
 
     def name(self) -> str:
         """The node's name as shown in errors, e.g. ``MultiplyBackward``."""
@@ -130,6 +223,9 @@ class Node:
             np.zeros(shape, dtype) if g is None else g
             for g, (shape, dtype) in zip(grads, self._output_meta)
         )
+        hooks = self._hooks
+        if hooks is not None and hooks.pre:
+            full = self._run_pre_hooks(hooks, full)
         try:
             outputs = self.backward(full)
         except BackwardError:
@@ -137,6 +233,8 @@ class Node:
         except Exception as exc:
             raise BackwardError(self.name(), f"{type(exc).__name__}: {exc}") from exc
         checked = self._check(outputs)
+        if hooks is not None and hooks.post:
+            checked = self._run_post_hooks(hooks, checked, full)
         if not retain_graph and self._free_saved():
             self._released = True
         return checked
@@ -177,6 +275,29 @@ class Node:
         return checked
 
 
+# Guards the creation of every node's _hooks (two threads registering a first hook at
+# once must share one NodeHooks).
+_hooks_made_lock = threading.Lock()
+
+
+def _wrap(grad: Grad | None, node: Node) -> Any:
+    """A gradient as hooks see it: a Tensor (sharing the array), or None."""
+    if grad is None or not isinstance(grad, np.ndarray):
+        return grad
+    from pargrad.tensor import Tensor
+
+    return Tensor._make(grad, device=node.device)
+
+
+def _fit(node: Node, result: Any, like: Sequence[Any]) -> tuple[Any, ...]:
+    """A hook's replacement tuple, checked to have one entry per gradient it replaces."""
+    if not isinstance(result, (tuple, list)) or len(result) != len(like):
+        raise BackwardError(node.name(), f"a hook returned {type(result).__name__} "
+                                         f"{result!r:.60}; expected a tuple of {len(like)} "
+                                         f"gradients (or None to keep them)")
+    return tuple(result)
+
+
 class AccumulateGrad(Node):
     """The sink for a leaf tensor: engines gather the leaf's total gradient here.
 
@@ -189,6 +310,14 @@ class AccumulateGrad(Node):
     def __init__(self, variable: Tensor) -> None:
         super().__init__((), (), ((variable.shape, variable.dtype),), variable.device)
         self.variable = variable
+        self._hooks = variable._hooks  # the leaf's tensor hooks (shared, see hooks.py)
+
+    def register_prehook(self, hook: Hook) -> RemovableHandle:
+        raise TypeError("AccumulateGrad does not run a backward: register the hook on its "
+                        "leaf with Tensor.register_hook (sees the gradient) or "
+                        "register_post_accumulate_grad_hook (runs after .grad is updated)")
+
+    register_hook = register_prehook
 
 
 class Dependencies:
@@ -206,18 +335,22 @@ class Dependencies:
 
     __slots__ = ("counts",)
 
-    def __init__(self, roots: Iterable[Node]) -> None:
-        """Count the edges into every (node, output) reachable from ``roots`` (iteratively)."""
+    def __init__(self, roots: Iterable[Node], within: Container[Node] | None = None) -> None:
+        """Count the edges into every (node, output) reachable from ``roots`` (iteratively).
+
+        With ``within`` (``needed``'s nodes), only the nodes in it are counted: a backward
+        that runs just what some inputs need.
+        """
         self.counts: dict[Node, list[int]] = {}
         stack: list[Node] = []
         for root in roots:
-            if root not in self.counts:
+            if root not in self.counts and (within is None or root in within):
                 self.counts[root] = [0] * root.num_outputs
                 stack.append(root)
         while stack:
             node = stack.pop()
             for next_node, input_nr in node.next_functions:
-                if next_node is None:
+                if next_node is None or (within is not None and next_node not in within):
                     continue
                 counts = self.counts.get(next_node)
                 if counts is None:
@@ -234,3 +367,76 @@ class Dependencies:
         counts = self.counts[node]
         counts[output_nr] -= 1
         return not any(counts)
+
+
+def needed(roots: Iterable[Node], targets: Iterable[Edge]) -> dict[Node, bool]:
+    """The nodes a backward from ``roots`` must reach to get gradients to the edges
+    ``targets``.
+
+    Maps every node on a path from a root to a target (targets included) to whether it
+    must run: True when one of its edges leads on to another needed node, False for a
+    node whose gradients are only to be kept (a target with nothing needed beyond it, and
+    every ``AccumulateGrad``). Targets not reachable from the roots are absent.
+    """
+    parents: dict[Node, list[Node]] = {}
+    stack: list[Node] = []
+    for root in roots:
+        if root not in parents:
+            parents[root] = []
+            stack.append(root)
+    while stack:
+        node = stack.pop()
+        for next_node, _ in node.next_functions:
+            if next_node is None:
+                continue
+            if next_node not in parents:
+                parents[next_node] = []
+                stack.append(next_node)
+            parents[next_node].append(node)
+    runs: dict[Node, bool] = {}
+    stack = [t for t in dict.fromkeys(node for node, _ in targets) if t in parents]
+    for target in stack:
+        runs[target] = False
+    while stack:
+        for parent in parents[stack.pop()]:
+            if parent not in runs:
+                stack.append(parent)
+            runs[parent] = not isinstance(parent, AccumulateGrad)
+    return runs
+
+
+class Kept:
+    """The gradients one backward hands back to its caller, by edge ``(node, output_nr)``.
+
+    ``select(node, grads)`` is called once per node that became ready, with its gathered
+    gradients (after its tensor hooks), and picks what to keep: an ``AccumulateGrad``'s
+    (a leaf's total), the outputs asked for as ``inputs`` (``pargrad.grad``), and the
+    outputs marked by ``Tensor.retain_grad``. ``on_kept(edge, grad)``, if given, sees
+    each first and may take it (return True), so that it is not kept here. ``select``
+    writes nothing shared; ``store`` does, and a parallel engine serialises it.
+    """
+
+    __slots__ = ("grads", "on_kept", "wanted")
+
+    def __init__(self, inputs: Iterable[Edge] | None,
+                 on_kept: Callable[[Edge, Grad], bool] | None = None) -> None:
+        self.grads: dict[Edge, Grad] = {}
+        self.on_kept = on_kept
+        self.wanted: dict[Node, list[int]] = {}
+        for node, output_nr in inputs or ():
+            if node is not None and not isinstance(node, AccumulateGrad):
+                self.wanted.setdefault(node, []).append(output_nr)
+
+    def select(self, node: Node, grads: Sequence[Grad | None]) -> list[tuple[Edge, Grad]]:
+        if isinstance(node, AccumulateGrad):
+            outputs: Iterable[int] = (0,)
+        else:
+            outputs = self.wanted.get(node, ())
+            if node._hooks is not None and node._hooks.retains:
+                outputs = [*outputs, *node._hooks.retains]
+        on_kept = self.on_kept
+        return [((node, nr), grads[nr]) for nr in outputs if grads[nr] is not None
+                and (on_kept is None or not on_kept((node, nr), grads[nr]))]
+
+    def store(self, kept: list[tuple[Edge, Grad]]) -> None:
+        self.grads.update(kept)

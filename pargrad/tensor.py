@@ -19,6 +19,7 @@ from pargrad.devices import CPU, Device
 from pargrad.devices import device as as_device
 from pargrad.grad_mode import is_grad_enabled
 from pargrad.graph import AccumulateGrad, Edge, Meta, Node
+from pargrad.hooks import Hook, NodeHooks, RemovableHandle
 
 if TYPE_CHECKING:
     from pargrad.engine.base import Engine
@@ -55,14 +56,15 @@ class Tensor:
     graph building from several threads are fine.
     """
 
-    __slots__ = ("__weakref__", "_accumulator", "_device", "_grad", "_requires_grad", "data",
-                 "grad_fn", "output_nr")
+    __slots__ = ("__weakref__", "_accumulator", "_device", "_grad", "_hooks", "_requires_grad",
+                 "data", "grad_fn", "output_nr")
 
     data: np.ndarray
     grad_fn: Node | None
     _device: Device  # set when the tensor is made, never changed
     _grad: Tensor | None  # guarded by grad_lock
     _accumulator: weakref.ref[AccumulateGrad] | None  # guarded by _accumulator_lock
+    _hooks: NodeHooks | None  # a leaf's hooks, shared with its accumulator; same lock
 
     def __init__(
         self, data: Any, requires_grad: bool = False, dtype: Any = None, device: Any = None
@@ -77,6 +79,7 @@ class Tensor:
         self.output_nr = 0
         self._grad = None
         self._accumulator = None
+        self._hooks = None
 
     @classmethod
     def _make(
@@ -97,6 +100,7 @@ class Tensor:
         t.output_nr = output_nr
         t._grad = None
         t._accumulator = None
+        t._hooks = None
         return t
 
     # ----- autograd state -----
@@ -200,11 +204,78 @@ class Tensor:
                 self._accumulator = weakref.ref(acc)
             return acc
 
+    # ----- hooks -----
+
+    def register_hook(self, hook: Hook) -> RemovableHandle:
+        """Call ``hook(grad)`` whenever a backward computes this tensor's gradient.
+
+        ``grad`` is a Tensor; the hook may return a Tensor (same shape and dtype) that
+        replaces it, for the rest of the backward and for ``.grad``. It must not modify
+        ``grad`` in place (its memory may be shared). It runs on the thread that runs the
+        node receiving the gradient (docs/autograd.md). Returns a handle with ``remove()``.
+
+        >>> import pargrad
+        >>> x = pargrad.tensor([1.0, 2.0], requires_grad=True)
+        >>> handle = x.register_hook(lambda g: g * 10)
+        >>> (x * x).sum().backward()
+        >>> x.grad
+        tensor([20., 40.], dtype=float64)
+        >>> handle.remove()
+        """
+        self._check_requires_grad("register a hook on")
+        if self.grad_fn is not None:
+            return self.grad_fn._hooks_made().add("tensor", hook, self.output_nr)
+        return self._leaf_hooks().add("tensor", hook)
+
+    def register_post_accumulate_grad_hook(self, hook: Hook) -> RemovableHandle:
+        """Call ``hook(tensor)`` on this leaf right after a backward updated its ``.grad``.
+
+        It fires as soon as the leaf's gradient is final (every edge into it delivered),
+        while the rest of the backward may still run, on the thread that delivered the
+        last contribution. It may read ``.grad`` and update the tensor's data in place
+        (under ``no_grad``); it must not start a backward through the same graph. If the
+        backward then fails, ``.grad`` is restored, but what the hook did is not undone.
+        Returns a handle with ``remove()``.
+        """
+        self._check_requires_grad("register a post-accumulate-grad hook on")
+        if self.grad_fn is not None:
+            raise RuntimeError("post-accumulate-grad hooks can only be registered on leaf "
+                               "tensors; use register_hook on a non-leaf")
+        return self._leaf_hooks().add("post_accumulate", hook)
+
+    def retain_grad(self) -> None:
+        """Keep this non-leaf tensor's gradient in ``.grad`` after a backward (a no-op on
+        leaves, which keep theirs anyway)."""
+        self._check_requires_grad("retain_grad on")
+        if self.grad_fn is not None:
+            self.grad_fn._hooks_made().retain(self.output_nr, self)
+
+    @property
+    def retains_grad(self) -> bool:
+        """Whether ``retain_grad()`` was called on this non-leaf tensor."""
+        hooks = None if self.grad_fn is None else self.grad_fn._hooks
+        return hooks is not None and self.output_nr in hooks.retains
+
+    def _check_requires_grad(self, what: str) -> None:
+        if not self._requires_grad:
+            raise RuntimeError(f"cannot {what} a tensor that does not require grad; make it "
+                               f"with requires_grad=True")
+
+    def _leaf_hooks(self) -> NodeHooks:
+        with _accumulator_lock:
+            if self._hooks is None:
+                self._hooks = NodeHooks()
+                acc = self._accumulator() if self._accumulator is not None else None
+                if acc is not None:
+                    acc._hooks = self._hooks
+            return self._hooks
+
     def backward(
         self,
         gradient: Any = None,
         retain_graph: bool | None = None,
         create_graph: bool = False,
+        inputs: Tensor | Sequence[Tensor] | None = None,
         *,
         engine: Engine | None = None,
     ) -> None:
@@ -221,7 +292,7 @@ class Tensor:
         """
         from pargrad.autograd import backward
 
-        backward(self, [gradient], retain_graph, create_graph, engine=engine)
+        backward(self, [gradient], retain_graph, create_graph, inputs, engine=engine)
 
     # ----- array facts -----
 

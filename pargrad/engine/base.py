@@ -15,9 +15,9 @@ import contextlib
 import os
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
-from pargrad.graph import AccumulateGrad, Edge, Grad
+from pargrad.graph import Edge, Grad
 
 
 class Engine(ABC):
@@ -34,15 +34,23 @@ class Engine(ABC):
         *,
         retain_graph: bool,
         create_graph: bool,
-    ) -> dict[AccumulateGrad, Grad]:
+        inputs: Sequence[Edge] | None = None,
+        on_kept: Callable[[Edge, Grad], bool] | None = None,
+    ) -> dict[Edge, Grad]:
         """Backpropagate ``grads`` from the ``roots`` edges through the graph.
 
-        Blocks until done. Returns the total gradient gathered at each leaf's
-        AccumulateGrad (leaves that got none are absent). ``SequentialEngine`` (and
-        ``ThreadedEngine(deterministic=True)``) sum gradients in the canonical order of
-        docs/design.md §4; an engine that does not says so. Runs node backwards with
-        grad mode set to ``create_graph``, with this engine current; frees saved values
-        unless ``retain_graph``. Raises the ``BackwardError`` of the first failing node.
+        Blocks until done. Returns the gradients kept by ``graph.Kept``, by edge: the
+        total gathered at each leaf's ``(AccumulateGrad, 0)``, at each output marked by
+        ``retain_grad``, and at each edge of ``inputs``; entries that got no gradient
+        are absent. With ``inputs``, only the nodes on a path to them run
+        (``graph.needed``). Each node's tensor hooks run before its gradients are kept;
+        ``on_kept`` sees each kept gradient first, on the thread that keeps it, and
+        may take it (``graph.Kept``).
+        ``SequentialEngine`` (and ``ThreadedEngine(deterministic=True)``) sum gradients
+        in the canonical order of docs/design.md §4; an engine that does not says so.
+        Runs node backwards with grad mode set to ``create_graph``, with this engine
+        current; frees saved values unless ``retain_graph``. Raises the
+        ``BackwardError`` of the first failing node.
         """
 
 

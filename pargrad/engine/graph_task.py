@@ -33,7 +33,16 @@ from typing import Any
 
 from pargrad.engine.base import Engine
 from pargrad.engine.buffer import InputBuffer, Key, OrderedInputBuffer
-from pargrad.graph import AccumulateGrad, BackwardError, Dependencies, Edge, Grad, Node
+from pargrad.graph import (
+    AccumulateGrad,
+    BackwardError,
+    Dependencies,
+    Edge,
+    Grad,
+    Kept,
+    Node,
+    needed,
+)
 
 Ready = tuple[Node, list[Grad | None]]
 """A node that became ready, with the gradients gathered for its outputs."""
@@ -84,6 +93,8 @@ class GraphTask:
         depth: int,
         engine: Engine,
         on_done: Callable[[GraphTask], None],
+        inputs: Sequence[Edge] | None = None,
+        on_kept: Callable[[Edge, Grad], bool] | None = None,
     ) -> None:
         self.engine = engine  # the engine running it: the current engine inside its nodes
         self.roots = roots
@@ -98,19 +109,32 @@ class GraphTask:
         self.depth = depth  # reentrant nesting: 0 for a backward not called from a node
         self._on_done = on_done
         root_nodes = {node for node, _ in roots if node is not None}
-        self.dependencies = Dependencies(root_nodes)
+        # With inputs (pargrad.grad): the nodes on a path to them, and which of those run.
+        self._runs = None if inputs is None else needed(root_nodes, inputs)
+        self.dependencies = Dependencies(root_nodes, within=self._runs)
         # Nodes that exactly one edge reaches, and no root gradient: their one delivery
         # makes them ready with just that gradient, so they need no buffer, no counter
-        # and no lock (most nodes of a chain). Read-only after __init__.
-        self._single = frozenset(node for node, counts in self.dependencies.counts.items()
-                                 if counts == [1] and node not in root_nodes)
+        # and no lock (most nodes of a chain). Sinks: the nodes whose gradients are kept
+        # and that do not run (leaves; with inputs, a target with nothing needed beyond
+        # it). Both read-only after __init__.
+        single, sinks = [], []
+        runs = self._runs
+        for node, counts in self.dependencies.counts.items():
+            if counts == [1] and node not in root_nodes:
+                single.append(node)
+            if isinstance(node, AccumulateGrad) or (runs is not None and not runs[node]):
+                sinks.append(node)
+        self._single = frozenset(single)
+        self.sinks = frozenset(sinks)
+        self._kept = Kept(inputs, on_kept)  # its grads guarded by _lock
+        # Nodes that run and whose gradients are kept too (read-only).
+        self.wanted = frozenset(self._kept.wanted).difference(self.sinks)
         self._buffer_type = OrderedInputBuffer if deterministic else InputBuffer
         self._stripes = tuple(_Stripe() for _ in range(STRIPES))
-        # Guards _outstanding, _error and _captured.
+        # Guards _outstanding, _error and _kept.
         self._lock = threading.Lock()
         self._outstanding = 0
         self._error: BaseException | None = None
-        self._captured: dict[AccumulateGrad, Grad] = {}
         # Set with the first error (or an interrupt): nodes not started are skipped.
         self.cancelled = threading.Event()
         # Set once, when _outstanding reached zero: the task is over.
@@ -120,15 +144,19 @@ class GraphTask:
         """Deliver the root gradients and return the roots that are ready, counted.
 
         Call once, on the calling thread, before any other thread can see this task.
-        Leaves reached directly as roots are captured here, not returned.
+        Sinks reached directly as roots are kept here, not returned.
         """
+        counted = self.dependencies.counts
         for i, ((node, output_nr), grad) in enumerate(zip(self.roots, self.root_grads)):
-            if node is not None:
+            if node in counted:
                 self._buffer(node).accumulate(output_nr, grad, (0, i))
         ready: list[Ready] = []
-        for node in dict.fromkeys(n for n, _ in self.roots if n is not None):
+        for node in dict.fromkeys(n for n, _ in self.roots if n in counted):
             if self.dependencies.is_ready(node):
-                ready.append((node, self._take(node)))
+                if node in self.sinks:
+                    self.sink(node, self._take(node))
+                else:
+                    ready.append((node, self._take(node)))
         return self.finish(ready, finished=0)
 
     def _buffer(self, node: Node) -> InputBuffer | OrderedInputBuffer:
@@ -155,6 +183,8 @@ class GraphTask:
         """
         if node in self._single:
             return [grad]  # what its buffer would hold: the one gradient, or None
+        if self._runs is not None and node not in self._runs:
+            return None  # it leads to no input: the gradient is not needed
         with self._stripes[node.sequence_nr & _STRIPE_MASK].lock:
             self._buffer(node).accumulate(output_nr, grad, key)
             if not self.dependencies.release(node, output_nr):
@@ -164,25 +194,16 @@ class GraphTask:
     def finish(self, ready: list[Ready], finished: int = 1) -> list[Ready]:
         """Account for ``finished`` nodes done and the ``ready`` ones they made.
 
-        Ready leaves (``AccumulateGrad``) are captured, not run; the other ready nodes
-        are counted and returned for the caller to run or enqueue. The call that brings
-        the count to zero completes the task.
+        The ready nodes (never sinks, which ``sink`` handles) are counted and returned
+        for the caller to run or enqueue. The call that brings the count to zero
+        completes the task.
         """
         runnable = ready
-        leaves: list[Ready] = []
-        for item in ready:
-            if isinstance(item[0], AccumulateGrad):
-                leaves.append(item)
-        if leaves:
-            runnable = [item for item in ready if not isinstance(item[0], AccumulateGrad)]
-        elif finished and len(runnable) == finished:
+        if finished and len(runnable) == finished:
             # As many made as finished (a chain): the count stays as it is, and it counts
             # the new node already, so no lock is needed to leave it unchanged.
             return runnable
         with self._lock:
-            for node, inputs in leaves:
-                if inputs[0] is not None:
-                    self._captured[node] = inputs[0]  # type: ignore[index]
             self._outstanding += len(runnable) - finished
             complete = self._outstanding == 0
         if complete:
@@ -192,6 +213,22 @@ class GraphTask:
             self.done.set()
             self._on_done(self)
         return runnable
+
+    def sink(self, node: Node, grads: list[Grad | None]) -> None:
+        """Keep the gradients of a sink that became ready (after its tensor hooks), on
+        the thread whose delivery made it ready. Raises what a hook raises."""
+        self.prepare(node, grads)
+
+    def prepare(self, node: Node, grads: list[Grad | None]) -> list[Grad | None]:
+        """Run the tensor hooks of a node about to run and keep the gradients asked of it;
+        return the gradients it runs on. Raises what a hook (or ``on_kept``) raises."""
+        if node._hooks is not None:
+            grads = node.run_tensor_hooks(grads)
+        kept = self._kept.select(node, grads)  # on_kept runs here, outside the lock
+        if kept:
+            with self._lock:
+                self._kept.store(kept)
+        return grads
 
     def fail(self, exc: BaseException, node: Node | None = None) -> None:
         """Record ``exc`` if it is the first error, and cancel the task.
@@ -215,7 +252,7 @@ class GraphTask:
         with self._lock:
             return self._error
 
-    def captured(self) -> dict[AccumulateGrad, Any]:
-        """The total gradient gathered at each leaf (after ``done``)."""
+    def captured(self) -> dict[Edge, Any]:
+        """The gradients kept (``graph.Kept``), by edge (after ``done``)."""
         with self._lock:
-            return self._captured
+            return self._kept.grads

@@ -11,6 +11,9 @@ The seed's algorithm, one node at a time on the calling thread:
    zero is ready (``_is_ready_for_backward``) and joins the ready list.
 4. A leaf's AccumulateGrad is not called: its gathered gradient is returned.
 
+A call with ``inputs`` (``pargrad.grad``) counts and runs only the nodes on a path to
+them (``graph.needed``), and returns just their gradients.
+
 Popping the highest sequence number runs nodes in exactly reverse creation order (the
 newest unrun node is always ready, since everything that consumed it was created
 later), so gradients reach each buffer in the canonical order of docs/design.md.
@@ -19,12 +22,12 @@ later), so gradients reach each buffer in the canonical order of docs/design.md.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pargrad.engine.base import Engine, use_engine
 from pargrad.engine.buffer import InputBuffer
 from pargrad.grad_mode import set_grad_enabled
-from pargrad.graph import AccumulateGrad, Dependencies, Edge, Grad, Node
+from pargrad.graph import AccumulateGrad, Dependencies, Edge, Grad, Kept, Node, needed
 
 
 class SequentialEngine(Engine):
@@ -44,9 +47,13 @@ class SequentialEngine(Engine):
         *,
         retain_graph: bool,
         create_graph: bool,
-    ) -> dict[AccumulateGrad, Grad]:
+        inputs: Sequence[Edge] | None = None,
+        on_kept: Callable[[Edge, Grad], bool] | None = None,
+    ) -> dict[Edge, Grad]:
         root_nodes = [node for node, _ in roots if node is not None]
-        dependencies = Dependencies(root_nodes)
+        runs = None if inputs is None else needed(root_nodes, inputs)
+        dependencies = Dependencies(root_nodes, within=runs)
+        kept = Kept(inputs, on_kept)
         buffers: dict[Node, InputBuffer] = {}
 
         def deliver(node: Node, output_nr: int, grad: Grad | None) -> None:
@@ -55,26 +62,26 @@ class SequentialEngine(Engine):
                 buffer = buffers[node] = InputBuffer(node.num_outputs)
             buffer.accumulate(output_nr, grad)
 
-        captured: dict[AccumulateGrad, Grad] = {}
         with set_grad_enabled(create_graph), use_engine(self):  # nested backward: here too
             for (node, output_nr), grad in zip(roots, grads):
-                if node is not None:
+                if node in dependencies.counts:
                     deliver(node, output_nr, grad)
             ready = [(-node.sequence_nr, node) for node in dict.fromkeys(root_nodes)
-                     if dependencies.is_ready(node)]
+                     if node in dependencies.counts and dependencies.is_ready(node)]
             heapq.heapify(ready)
             while ready:
                 _, node = heapq.heappop(ready)
-                inputs = buffers.pop(node).take()
-                if isinstance(node, AccumulateGrad):
-                    if inputs[0] is not None:
-                        captured[node] = inputs[0]
-                    continue
-                outputs = node.apply(inputs, retain_graph=retain_graph)
+                inputs_ = buffers.pop(node).take()
+                if node._hooks is not None:
+                    inputs_ = node.run_tensor_hooks(inputs_)
+                kept.store(kept.select(node, inputs_))
+                if isinstance(node, AccumulateGrad) or (runs is not None and not runs[node]):
+                    continue  # its gradients are kept, not used
+                outputs = node.apply(inputs_, retain_graph=retain_graph)
                 for (next_node, input_nr), grad in zip(node.next_functions, outputs):
-                    if next_node is None:
+                    if next_node is None or (runs is not None and next_node not in runs):
                         continue
                     deliver(next_node, input_nr, grad)
                     if dependencies.release(next_node, input_nr):
                         heapq.heappush(ready, (-next_node.sequence_nr, next_node))
-        return captured
+        return kept.grads

@@ -46,7 +46,7 @@ import heapq
 import math
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 
 from pargrad.devices import CPU, Device, available_cores, device
@@ -55,7 +55,7 @@ from pargrad.engine.base import Engine, _engine_stack
 from pargrad.engine.graph_task import GraphTask, NodeTask, Ready
 from pargrad.engine.ready_queue import ReadyQueue
 from pargrad.grad_mode import _set_enabled, is_grad_enabled
-from pargrad.graph import AccumulateGrad, BackwardError, Edge, Grad, Node
+from pargrad.graph import BackwardError, Edge, Grad, Node
 
 MAX_REENTRANT_DEPTH = 32
 """Nested backward calls one thread runs on its own stack before handing off to a helper."""
@@ -233,7 +233,7 @@ def _process(task: GraphTask, local: Local, on: Device, *, reraise: bool,
     _set_enabled(task.create_graph)
     engines.append(engine)
     cancelled, deliver, retain = task.cancelled, task.deliver, task.retain_graph
-    deterministic = task.deterministic
+    deterministic, sinks, wanted = task.deterministic, task.sinks, task.wanted
     try:
         while local:
             _, node, inputs = heapq.heappop(local)
@@ -241,6 +241,8 @@ def _process(task: GraphTask, local: Local, on: Device, *, reraise: bool,
             interrupt: BaseException | None = None
             if not cancelled.is_set():
                 try:
+                    if node._hooks is not None or (wanted and node in wanted):
+                        inputs = task.prepare(node, inputs)
                     outputs = node.apply(inputs, retain_graph=retain)
                     del inputs
                     seq = node.sequence_nr
@@ -249,7 +251,11 @@ def _process(task: GraphTask, local: Local, on: Device, *, reraise: bool,
                         if next_node is not None:
                             got = deliver(next_node, input_nr, grad,
                                           (1, -seq, e) if deterministic else None)
-                            if got is not None:
+                            if got is None:
+                                pass
+                            elif next_node in sinks:
+                                task.sink(next_node, got)
+                            else:
                                 ready.append((next_node, got))
                     del outputs
                 except BaseException as exc:
@@ -407,7 +413,9 @@ class ThreadedEngine(Engine):
         *,
         retain_graph: bool,
         create_graph: bool,
-    ) -> dict[AccumulateGrad, Grad]:
+        inputs: Sequence[Edge] | None = None,
+        on_kept: Callable[[Edge, Grad], bool] | None = None,
+    ) -> dict[Edge, Grad]:
         pool = self._pool
         on = _local.device if getattr(_local, "pool", None) is pool else CPU
         parent: GraphTask | None = getattr(_local, "task", None)
@@ -424,7 +432,8 @@ class ThreadedEngine(Engine):
             task = GraphTask(roots, grads, retain_graph=retain_graph,
                              create_graph=create_graph, deterministic=self.deterministic,
                              depth=0 if parent is None else parent.depth + 1,
-                             engine=self, on_done=on_done)
+                             engine=self, on_done=on_done, inputs=inputs,
+                             on_kept=on_kept)
             _set_enabled(create_graph)
             ready = task.start()
         except BaseException:

@@ -1,0 +1,102 @@
+"""Hooks: user functions that see, and may replace, gradients during a backward.
+
+Where hooks live (as in PyTorch):
+- a tensor's hooks (``Tensor.register_hook``) on the node that receives its gradient:
+  its ``grad_fn`` for a non-leaf (one list per output), its ``AccumulateGrad`` for a leaf
+  (the leaf and its accumulator share one ``NodeHooks``);
+- ``Tensor.retain_grad`` marks a non-leaf output whose gradient the backward keeps;
+- a node's pre-hooks and (post-)hooks (``Node.register_prehook`` / ``register_hook``);
+- a leaf's post-accumulate-grad hooks, called after its ``.grad`` was updated.
+
+For one node, they fire in this order: tensor hooks (output by output, each in
+registration order), then the gradient is kept for ``retain_grad`` / ``pargrad.grad``,
+then pre-hooks, the node's backward, and post-hooks.
+
+Thread-safety: registering and removing hooks is thread-safe, even while a backward
+runs: writers replace a field's tuple (or dict) under ``_lock``, and a backward reads each
+field once, so it sees the hooks as they were at some moment, never a half-written list.
+Hooks themselves run on whichever thread runs their node (docs/autograd.md).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pargrad.tensor import Tensor
+
+Hook = Callable[..., Any]
+
+# Guards the writers of every NodeHooks field, and _ids. Readers take no lock (above).
+_lock = threading.Lock()
+_ids = itertools.count()
+
+
+class NodeHooks:
+    """The hooks of one node (and, for an ``AccumulateGrad``, of its leaf)."""
+
+    __slots__ = ("post", "post_accumulate", "pre", "retains", "tensor")
+
+    def __init__(self) -> None:
+        # Each field is replaced, never changed in place; entries are (id, hook).
+        self.tensor: dict[int, tuple[tuple[int, Hook], ...]] = {}  # by output_nr
+        self.retains: dict[int, weakref.ref[Tensor]] = {}  # output_nr -> tensor
+        self.pre: tuple[tuple[int, Hook], ...] = ()
+        self.post: tuple[tuple[int, Hook], ...] = ()
+        self.post_accumulate: tuple[tuple[int, Hook], ...] = ()
+
+    def add(self, field: str, hook: Hook, output_nr: int = 0) -> RemovableHandle:
+        """Register ``hook`` in ``field`` (for ``tensor``: on ``output_nr``)."""
+        if not callable(hook):
+            raise TypeError(f"a hook must be callable, got {type(hook).__name__}")
+        with _lock:
+            hid = next(_ids)
+            if field == "tensor":
+                tensor = dict(self.tensor)
+                tensor[output_nr] = (*tensor.get(output_nr, ()), (hid, hook))
+                self.tensor = tensor
+            else:
+                setattr(self, field, (*getattr(self, field), (hid, hook)))
+        return RemovableHandle(self, field, hid)
+
+    def retain(self, output_nr: int, tensor: Tensor) -> None:
+        with _lock:
+            self.retains = {**self.retains, output_nr: weakref.ref(tensor)}
+
+    def _remove(self, field: str, hid: int) -> None:
+        with _lock:
+            if field == "tensor":
+                self.tensor = {nr: kept for nr, hooks in self.tensor.items()
+                               if (kept := tuple(h for h in hooks if h[0] != hid))}
+            else:
+                setattr(self, field, tuple(h for h in getattr(self, field) if h[0] != hid))
+
+
+class RemovableHandle:
+    """What registering a hook returns: ``handle.remove()`` unregisters it (idempotent).
+
+    Also a context manager that removes the hook on exit.
+    """
+
+    __slots__ = ("_field", "_hooks", "id")
+
+    def __init__(self, hooks: NodeHooks, field: str, hid: int) -> None:
+        self._hooks: NodeHooks | None = hooks
+        self._field = field
+        self.id = hid
+
+    def remove(self) -> None:
+        """Unregister the hook; later backward calls do not call it."""
+        if self._hooks is not None:
+            self._hooks._remove(self._field, self.id)
+            self._hooks = None
+
+    def __enter__(self) -> RemovableHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
