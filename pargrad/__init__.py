@@ -8,6 +8,12 @@
 tensor([5., 7.], dtype=float64)
 """
 
+from pargrad.anomaly import (
+    detect_anomaly,
+    is_anomaly_check_nan_enabled,
+    is_anomaly_enabled,
+    set_detect_anomaly,
+)
 from pargrad.autograd import backward
 from pargrad.devices import Device, device
 from pargrad.engine import (
@@ -72,10 +78,12 @@ __all__ = [
     "AccumulateGrad", "BackwardError", "Device", "Engine", "Function", "FunctionCtx",
     "GradcheckError", "Node", "SequentialEngine", "Tensor", "ThreadedEngine", "abs", "add",
     "astype", "backward", "broadcast_to", "clip", "concatenate", "copy", "cos",
-    "current_engine", "device", "divide", "enable_grad", "exp", "expand_dims",
-    "get_default_engine", "gradcheck", "is_grad_enabled", "log", "log_softmax", "logsumexp",
+    "current_engine", "detect_anomaly", "device", "divide", "enable_grad", "exp", "expand_dims",
+    "get_default_engine", "gradcheck", "is_anomaly_check_nan_enabled",
+    "is_anomaly_enabled", "is_grad_enabled", "log", "log_softmax", "logsumexp",
     "matmul", "max", "maximum", "mean", "min", "minimum", "multiply", "negative", "no_grad",
-    "power", "relu", "reshape", "set_default_engine", "set_grad_enabled", "sigmoid", "sin",
+    "power", "relu", "reshape", "set_default_engine", "set_detect_anomaly", "set_grad_enabled",
+    "sigmoid", "sin",
     "softmax", "split", "sqrt", "squeeze", "stack", "subtract", "sum", "swapaxes", "tanh",
     "tensor", "to", "transpose", "use_engine", "where",
 ]
