@@ -27,7 +27,7 @@ from pargrad.engine import (
 )
 from pargrad.function import Function, FunctionCtx
 from pargrad.grad_mode import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
-from pargrad.gradcheck import GradcheckError, gradcheck
+from pargrad.gradcheck import GradcheckError, gradcheck, gradgradcheck
 from pargrad.graph import AccumulateGrad, BackwardError, Node
 from pargrad.ops import (
     abs,
@@ -79,7 +79,7 @@ __all__ = [
     "GradcheckError", "Node", "SequentialEngine", "Tensor", "ThreadedEngine", "abs", "add",
     "astype", "backward", "broadcast_to", "clip", "concatenate", "copy", "cos",
     "current_engine", "detect_anomaly", "device", "divide", "enable_grad", "exp", "expand_dims",
-    "get_default_engine", "gradcheck", "is_anomaly_check_nan_enabled",
+    "get_default_engine", "gradcheck", "gradgradcheck", "is_anomaly_check_nan_enabled",
     "is_anomaly_enabled", "is_grad_enabled", "log", "log_softmax", "logsumexp",
     "matmul", "max", "maximum", "mean", "min", "minimum", "multiply", "negative", "no_grad",
     "power", "relu", "reshape", "set_default_engine", "set_detect_anomaly", "set_grad_enabled",
