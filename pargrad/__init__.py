@@ -15,6 +15,7 @@ from pargrad.anomaly import (
     set_detect_anomaly,
 )
 from pargrad.autograd import backward
+from pargrad.checkpoint import checkpoint
 from pargrad.devices import Device, device
 from pargrad.engine import (
     Engine,
@@ -77,7 +78,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AccumulateGrad", "BackwardError", "Device", "Engine", "Function", "FunctionCtx",
     "GradcheckError", "Node", "SequentialEngine", "Tensor", "ThreadedEngine", "abs", "add",
-    "astype", "backward", "broadcast_to", "clip", "concatenate", "copy", "cos",
+    "astype", "backward", "broadcast_to", "checkpoint", "clip", "concatenate", "copy", "cos",
     "current_engine", "detect_anomaly", "device", "divide", "enable_grad", "exp", "expand_dims",
     "get_default_engine", "gradcheck", "gradgradcheck", "is_anomaly_check_nan_enabled",
     "is_anomaly_enabled", "is_grad_enabled", "log", "log_softmax", "logsumexp",
