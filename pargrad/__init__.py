@@ -8,6 +8,7 @@
 tensor([5., 7.], dtype=float64)
 """
 
+from pargrad import viz
 from pargrad.anomaly import (
     detect_anomaly,
     is_anomaly_check_nan_enabled,
@@ -86,5 +87,5 @@ __all__ = [
     "power", "relu", "reshape", "set_default_engine", "set_detect_anomaly", "set_grad_enabled",
     "sigmoid", "sin",
     "softmax", "split", "sqrt", "squeeze", "stack", "subtract", "sum", "swapaxes", "tanh",
-    "tensor", "to", "transpose", "use_engine", "where",
+    "tensor", "to", "transpose", "use_engine", "viz", "where",
 ]
