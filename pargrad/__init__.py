@@ -85,7 +85,6 @@ __all__ = [
     "is_anomaly_enabled", "is_grad_enabled", "log", "log_softmax", "logsumexp",
     "matmul", "max", "maximum", "mean", "min", "minimum", "multiply", "negative", "no_grad",
     "power", "relu", "reshape", "set_default_engine", "set_detect_anomaly", "set_grad_enabled",
-    "sigmoid", "sin",
-    "softmax", "split", "sqrt", "squeeze", "stack", "subtract", "sum", "swapaxes", "tanh",
-    "tensor", "to", "transpose", "use_engine", "viz", "where",
+    "sigmoid", "sin", "softmax", "split", "sqrt", "squeeze", "stack", "subtract", "sum",
+    "swapaxes", "tanh", "tensor", "to", "transpose", "use_engine", "viz", "where",
 ]

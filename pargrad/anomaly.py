@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import threading
 import traceback
 from collections.abc import Callable, Sequence
@@ -148,12 +149,16 @@ class set_detect_anomaly:
 # ----- what nodes record and report -----
 def forward_trace() -> traceback.StackSummary:
     """The caller's stack, outermost first, without pargrad's own frames at its end
-    (the last frame is the user's line that called into pargrad)."""
-    stack = traceback.extract_stack()
-    end = len(stack)
-    while end > 1 and stack[end - 1].filename.startswith(_PACKAGE_DIR):
-        end -= 1
-    return traceback.StackSummary.from_list(stack[:end])
+    (the last frame is the user's line that called into pargrad).
+
+    ``traceback.extract_stack`` without reading source lines now: a frame's line is
+    read when the trace is formatted, so recording stays cheap."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame = frame.f_back
+    stack = traceback.StackSummary.extract(traceback.walk_stack(frame), lookup_lines=False)
+    stack.reverse()
+    return stack
 
 
 def first_nonfinite(grads: Sequence[Any]) -> tuple[int, str, tuple[int, ...]] | None:
