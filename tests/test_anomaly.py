@@ -177,7 +177,7 @@ def test_mode_is_per_thread_while_backward_calls_run_at_once(engine: pargrad.Eng
             with pargrad.set_detect_anomaly(name == "on"):
                 x, loss = nan_graph()
                 try:
-                    loss.backward()
+                    loss.backward(engine=engine)  # threads do not share use_engine blocks
                     results[name].append("nan" if np.isnan(x.grad.data[0]) else "finite")
                 except pargrad.BackwardError as exc:
                     trace = getattr(exc, "forward_trace", None)

@@ -187,7 +187,7 @@ def test_backward_from_several_threads_at_once(engine: pargrad.Engine) -> None:
         inputs = [pargrad.tensor(x.data, requires_grad=True) for _ in range(3)]
         barrier.wait()
         for t in inputs:
-            model(t).backward()
+            model(t).backward(engine=engine)  # threads do not share use_engine blocks
             results.append(t.grad.data)
 
     threads = [threading.Thread(target=run) for _ in range(4)]
