@@ -8,7 +8,15 @@
 tensor([5., 7.], dtype=float64)
 """
 
+from pargrad import viz
+from pargrad.anomaly import (
+    detect_anomaly,
+    is_anomaly_check_nan_enabled,
+    is_anomaly_enabled,
+    set_detect_anomaly,
+)
 from pargrad.autograd import backward, grad
+from pargrad.checkpoint import checkpoint
 from pargrad.devices import Device, device
 from pargrad.engine import (
     Engine,
@@ -21,7 +29,7 @@ from pargrad.engine import (
 )
 from pargrad.function import Function, FunctionCtx
 from pargrad.grad_mode import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
-from pargrad.gradcheck import GradcheckError, gradcheck
+from pargrad.gradcheck import GradcheckError, gradcheck, gradgradcheck
 from pargrad.graph import AccumulateGrad, BackwardError, Node
 from pargrad.ops import (
     abs,
@@ -71,12 +79,12 @@ __version__ = "0.1.0"
 __all__ = [
     "AccumulateGrad", "BackwardError", "Device", "Engine", "Function", "FunctionCtx",
     "GradcheckError", "Node", "SequentialEngine", "Tensor", "ThreadedEngine", "abs", "add",
-    "astype", "backward", "broadcast_to", "clip", "concatenate", "copy", "cos",
-    "current_engine", "device", "divide", "enable_grad", "exp", "expand_dims",
-    "get_default_engine", "grad", "gradcheck", "is_grad_enabled", "log", "log_softmax",
-    "logsumexp",
+    "astype", "backward", "broadcast_to", "checkpoint", "clip", "concatenate", "copy", "cos",
+    "current_engine", "detect_anomaly", "device", "divide", "enable_grad", "exp", "expand_dims",
+    "get_default_engine", "grad", "gradcheck", "gradgradcheck", "is_anomaly_check_nan_enabled",
+    "is_anomaly_enabled", "is_grad_enabled", "log", "log_softmax", "logsumexp",
     "matmul", "max", "maximum", "mean", "min", "minimum", "multiply", "negative", "no_grad",
-    "power", "relu", "reshape", "set_default_engine", "set_grad_enabled", "sigmoid", "sin",
-    "softmax", "split", "sqrt", "squeeze", "stack", "subtract", "sum", "swapaxes", "tanh",
-    "tensor", "to", "transpose", "use_engine", "where",
+    "power", "relu", "reshape", "set_default_engine", "set_detect_anomaly", "set_grad_enabled",
+    "sigmoid", "sin", "softmax", "split", "sqrt", "squeeze", "stack", "subtract", "sum",
+    "swapaxes", "tanh", "tensor", "to", "transpose", "use_engine", "viz", "where",
 ]

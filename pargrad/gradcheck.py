@@ -1,9 +1,14 @@
 """Gradient checking: compare backward with central finite differences.
 
-``gradcheck`` works on fresh leaf copies of the inputs, so it never touches the
-caller's tensors or their ``.grad``. Finite differences are taken in float64 whatever
-the inputs' dtype; analytical gradients are computed in the inputs' own dtype, so
-float32 inputs need tolerances to match.
+``gradcheck`` checks first derivatives; ``gradgradcheck`` checks second derivatives: the
+gradient that a ``create_graph=True`` backward records is itself checked by
+``gradcheck``, against finite differences of first-order backward calls (as
+``torch.autograd.gradgradcheck`` does).
+
+Both work on fresh leaf copies of the inputs and read gradients from the engine
+directly, so they never touch the caller's tensors or any ``.grad``. Finite differences
+are taken in float64 whatever the inputs' dtype; analytical gradients are computed in
+the inputs' own dtype, so float32 inputs need tolerances to match.
 """
 
 from __future__ import annotations
@@ -13,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from pargrad.autograd import backward
-from pargrad.engine.base import Engine
-from pargrad.grad_mode import no_grad
+from pargrad.engine.base import Engine, current_engine
+from pargrad.grad_mode import enable_grad, no_grad
+from pargrad.graph import Grad
 from pargrad.tensor import Tensor
 
 
@@ -49,105 +54,236 @@ def gradcheck(
     >>> pargrad.gradcheck(lambda t: (t.sin() * t).sum(), x)
     True
     """
-    args = list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
-    checked = [i for i, a in enumerate(args) if isinstance(a, Tensor) and a.requires_grad]
-    leaves = [Tensor(a.data, requires_grad=True) if i in checked else a
-              for i, a in enumerate(args)]
-    outputs = _outputs(fn(*leaves))
-    out_size = sum(o.size for o in outputs)
-    rng = np.random.default_rng(seed)
-    for i in checked:
-        size = args[i].size
-        if size == 0 or out_size == 0:
-            continue
-        if size * out_size <= full_jacobian_limit:
-            _check_full(fn, leaves, outputs, i, eps, atol, rtol, engine)
-        else:
-            _check_directions(fn, leaves, outputs, i, eps, atol, rtol, engine, rng, directions)
+    args = _as_list(inputs)
+    check = _Check("gradcheck", "backward", fn, args, eps, atol, rtol, engine,
+                   full="gradient of {input} at index {index} for {output}",
+                   directional="gradient of {input} at random direction {d} (u . J v)")
+    check.run(full_jacobian_limit, directions, seed)
     return True
 
 
-def _outputs(result: Any) -> list[Tensor]:
+def gradgradcheck(
+    fn: Callable[..., Any],
+    inputs: Any,
+    grad_outputs: Any = None,
+    *,
+    eps: float = 1e-6,
+    atol: float = 1e-5,
+    rtol: float = 1e-3,
+    full_jacobian_limit: int = 4096,
+    directions: int = 8,
+    seed: int = 0,
+    engine: Engine | None = None,
+) -> bool:
+    """Check ``fn``'s second derivatives at ``inputs`` against finite differences.
+
+    The function checked is the vector-Jacobian product ``(x, u) -> d(u . fn(x))/dx``
+    for the inputs ``x`` that require grad, computed by a ``create_graph=True`` backward:
+    ``gradcheck`` compares the backward through that recorded graph (double backward)
+    with central differences of first-order backward calls. ``grad_outputs`` gives
+    ``u``, one per output of ``fn`` (a Tensor or a sequence); by default they are
+    random (from ``seed``) and require grad, so the check covers the derivative in
+    ``u`` too. Arguments are those of ``gradcheck``; raises ``GradcheckError`` naming
+    the gradient entry and the input entry whose derivative disagrees.
+
+    >>> import pargrad
+    >>> x = pargrad.tensor([0.5, 1.5], requires_grad=True)
+    >>> pargrad.gradgradcheck(lambda t: (t.sin() * t).sum(), x)
+    True
+    """
+    args = _as_list(inputs)
+    wrt = [i for i, a in enumerate(args) if _requires_grad(a)]
+    outputs = _outputs(fn(*_fresh_leaves(args)), "gradgradcheck")  # their shapes and dtypes
+    rng = np.random.default_rng(seed)
+    if grad_outputs is None:
+        us: list[Any] = [Tensor(rng.standard_normal(o.shape), dtype=o.dtype,
+                                requires_grad=o.dtype.kind == "f") for o in outputs]
+    else:
+        us = _as_list(grad_outputs)
+        if len(us) != len(outputs):
+            raise ValueError(f"gradgradcheck: got {len(us)} grad_outputs for {len(outputs)} "
+                             f"outputs of fn")
+    n = len(args)
+    shapes = [args[i].shape for i in wrt]
+
+    def first_derivatives(*values: Any) -> tuple[Tensor, ...]:
+        return _first_derivatives(fn, list(values[:n]), list(values[n:]), wrt, engine)
+
+    def input_name(i: int) -> str:
+        return f"input {i}" if i < n else f"grad_outputs[{i - n}]"
+
+    def output_name(j: int) -> str:
+        for k, shape in zip(wrt, shapes):
+            size = int(np.prod(shape))
+            if j < size:
+                index = tuple(int(m) for m in np.unravel_index(j, shape))
+                return f"the gradient of input {k} at index {index}"
+            j -= size
+        raise AssertionError("output element out of range")
+
+    check = _Check("gradgradcheck", "double backward", first_derivatives, [*args, *us], eps,
+                   atol, rtol, engine, input_name=input_name, output_name=output_name,
+                   full="derivative of {output} with respect to {input} at index {index}",
+                   directional="derivative of the gradients with respect to {input} along "
+                               "random direction {d} (u . J v)")
+    check.run(full_jacobian_limit, directions, seed)
+    return True
+
+
+def _first_derivatives(fn: Callable[..., Any], xs: list[Any], us: list[Any], wrt: list[int],
+                       engine: Engine | None) -> tuple[Tensor, ...]:
+    """d(u . fn(x))/dx for the inputs ``wrt``, recorded so that it can be differentiated.
+
+    Called by ``gradcheck`` both with leaves that require grad (its analytical pass: the
+    result then depends on them) and with plain Tensors under no_grad (its finite
+    differences: they become leaves here, to take the first derivative).
+    """
+    with enable_grad():
+        xs = [Tensor(x.data, requires_grad=True, device=x.device)
+              if i in wrt and not x.requires_grad else x for i, x in enumerate(xs)]
+        outputs = _outputs(fn(*xs), "gradgradcheck")
+        leaves = [xs[i] for i in wrt]
+        grads = _leaf_grads(outputs, us, leaves, create_graph=True, engine=engine)
+    return tuple(Tensor(np.zeros(x.shape, x.dtype)) if g is None else g
+                 for g, x in zip(grads, leaves))
+
+
+def _leaf_grads(outputs: list[Tensor], cotangents: list[Any], leaves: list[Tensor], *,
+                create_graph: bool, engine: Engine | None) -> list[Grad | None]:
+    """d(sum(cotangent * output))/d(leaf) for each leaf (None where it gets none), straight
+    from the engine: no ``.grad`` is read or written. Keeps the graph for another call."""
+    pairs = [(o, c) for o, c in zip(outputs, cotangents) if o.requires_grad]
+    if not pairs:
+        return [None] * len(leaves)
+    roots = [o._edge() for o, _ in pairs]
+    grads: list[Grad] = []
+    for o, c in pairs:
+        if create_graph:
+            c = c if isinstance(c, Tensor) else Tensor(c, device=o.device)
+            c = c if c.device is o.device else c.to(o.device)
+            grads.append(c if c.dtype == o.dtype else c.astype(o.dtype))
+        else:
+            grads.append(np.asarray(c.data if isinstance(c, Tensor) else c, dtype=o.dtype))
+    run = engine if engine is not None else current_engine()
+    edges = [leaf._edge() for leaf in leaves]
+    kept = run.execute(roots, grads, retain_graph=True, create_graph=create_graph, inputs=edges)
+    return [kept.get(edge) for edge in edges]
+
+
+def _as_list(inputs: Any) -> list[Any]:
+    return list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
+
+
+def _requires_grad(a: Any) -> bool:
+    return isinstance(a, Tensor) and a.requires_grad
+
+
+def _fresh_leaves(args: list[Any]) -> list[Any]:
+    """New leaves (same data and device) for the arguments that require grad."""
+    return [Tensor(a.data, requires_grad=True, device=a.device) if _requires_grad(a) else a
+            for a in args]
+
+
+def _outputs(result: Any, name: str = "gradcheck") -> list[Tensor]:
     outs = list(result) if isinstance(result, (list, tuple)) else [result]
     for o in outs:
         if not isinstance(o, Tensor):
-            raise TypeError(f"gradcheck: fn must return Tensors, got {type(o).__name__}")
+            raise TypeError(f"{name}: fn must return Tensors, got {type(o).__name__}")
     return outs
 
 
-def _vjp(outputs: list[Tensor], cotangents: list[np.ndarray], leaf: Tensor,
-         engine: Engine | None) -> np.ndarray:
-    """d(sum(cotangent * output))/d(leaf) by backward, without leaving .grad set."""
-    pairs = [(o, c) for o, c in zip(outputs, cotangents) if o.requires_grad]
-    leaf.grad = None
-    if pairs:
-        backward([o for o, _ in pairs], [c.astype(o.dtype) for o, c in pairs],
-                 retain_graph=True, engine=engine)
-    grad = leaf.grad
-    leaf.grad = None
-    return np.zeros(leaf.shape) if grad is None else grad.data.astype(np.float64)
+class _Check:
+    """One check of ``fn``'s backward at ``args`` against finite differences.
 
+    ``name`` and ``analytical`` (what computed the analytical value) start the messages;
+    ``full`` and ``directional`` say where a check failed, from ``input_name(i)`` (the
+    name of argument i), the index, ``output_name(j)`` (the j-th element of the flattened
+    outputs) and the direction ``d``.
+    """
 
-def _evaluate(fn: Callable[..., Any], leaves: list[Any], i: int, value: np.ndarray) -> np.ndarray:
-    """fn's outputs, flattened to one float64 vector, with input i replaced by ``value``."""
-    args = [Tensor(value) if j == i else (a.detach().astype(np.float64)
-            if isinstance(a, Tensor) and np.issubdtype(a.dtype, np.floating) else a)
-            for j, a in enumerate(leaves)]
-    with no_grad():
-        outs = _outputs(fn(*args))
-    return np.concatenate([np.asarray(o.data, dtype=np.float64).ravel() for o in outs])
+    def __init__(self, name: str, analytical: str, fn: Callable[..., Any], args: list[Any],
+                 eps: float, atol: float, rtol: float, engine: Engine | None, *, full: str,
+                 directional: str, input_name: Callable[[int], str] = lambda i: f"input {i}",
+                 output_name: Callable[[int], str] = lambda j: f"output element {j}") -> None:
+        self.name, self.analytical = name, analytical
+        self.fn, self.eps, self.atol, self.rtol, self.engine = fn, eps, atol, rtol, engine
+        self.full, self.directional = full, directional
+        self.input_name, self.output_name = input_name, output_name
+        self.checked = [i for i, a in enumerate(args) if _requires_grad(a)]
+        self.leaves = _fresh_leaves(args)
+        self.outputs = _outputs(fn(*self.leaves), name)
 
+    def run(self, full_jacobian_limit: int, directions: int, seed: int) -> None:
+        out_size = sum(o.size for o in self.outputs)
+        rng = np.random.default_rng(seed)
+        for i in self.checked:
+            size = self.leaves[i].size
+            if size == 0 or out_size == 0:
+                continue
+            if size * out_size <= full_jacobian_limit:
+                self._check_full(i)
+            else:
+                self._check_directions(i, rng, directions)
 
-def _numerical_column(fn: Callable[..., Any], leaves: list[Any], i: int,
-                      direction: np.ndarray, eps: float) -> np.ndarray:
-    x = leaves[i].data.astype(np.float64)
-    plus = _evaluate(fn, leaves, i, x + eps * direction)
-    minus = _evaluate(fn, leaves, i, x - eps * direction)
-    return (plus - minus) / (2 * eps)
+    def _vjp(self, cotangents: list[np.ndarray], i: int) -> np.ndarray:
+        leaf = self.leaves[i]
+        (grad,) = _leaf_grads(self.outputs, cotangents, [leaf], create_graph=False,
+                              engine=self.engine)
+        return np.zeros(leaf.shape) if grad is None else np.asarray(grad, dtype=np.float64)
 
+    def _evaluate(self, i: int, value: np.ndarray) -> np.ndarray:
+        """fn's outputs, flattened to one float64 vector, with input i replaced by ``value``."""
+        args = [Tensor(value) if j == i else (a.detach().astype(np.float64)
+                if isinstance(a, Tensor) and np.issubdtype(a.dtype, np.floating) else a)
+                for j, a in enumerate(self.leaves)]
+        with no_grad():
+            outs = _outputs(self.fn(*args), self.name)
+        return np.concatenate([np.asarray(o.data, dtype=np.float64).ravel() for o in outs])
 
-def _fail(i: int, where: str, analytical: float, numerical: float) -> GradcheckError:
-    return GradcheckError(
-        f"gradcheck: gradient of input {i} at {where}: backward gives {analytical!r}, "
-        f"finite differences give {numerical!r}"
-    )
+    def _numerical_column(self, i: int, direction: np.ndarray) -> np.ndarray:
+        x = self.leaves[i].data.astype(np.float64)
+        plus = self._evaluate(i, x + self.eps * direction)
+        minus = self._evaluate(i, x - self.eps * direction)
+        return (plus - minus) / (2 * self.eps)
 
+    def _fail(self, what: str, analytical: float, numerical: float) -> GradcheckError:
+        return GradcheckError(
+            f"{self.name}: {what}: {self.analytical} gives {analytical!r}, finite differences "
+            f"give {numerical!r}"
+        )
 
-def _check_full(fn: Callable[..., Any], leaves: list[Any], outputs: list[Tensor], i: int,
-                eps: float, atol: float, rtol: float, engine: Engine | None) -> None:
-    leaf = leaves[i]
-    sizes = [o.size for o in outputs]
-    out_total = sum(sizes)
-    numerical = np.empty((leaf.size, out_total))
-    for k in range(leaf.size):
-        direction = np.zeros(leaf.size)
-        direction[k] = 1.0
-        numerical[k] = _numerical_column(fn, leaves, i, direction.reshape(leaf.shape), eps)
-    for j in range(out_total):
-        onehot = np.zeros(out_total)
-        onehot[j] = 1.0
-        cotangents = [c.reshape(o.shape) for c, o in
-                      zip(np.split(onehot, np.cumsum(sizes)[:-1]), outputs)]
-        analytical = _vjp(outputs, cotangents, leaf, engine).ravel()
-        bad = np.abs(analytical - numerical[:, j]) > atol + rtol * np.abs(numerical[:, j])
-        if bad.any():
-            k = int(np.argmax(bad))
-            index = tuple(int(n) for n in np.unravel_index(k, leaf.shape))
-            where = f"index {index} for output element {j}"
-            raise _fail(i, where, float(analytical[k]), float(numerical[k, j]))
+    def _check_full(self, i: int) -> None:
+        leaf = self.leaves[i]
+        sizes = [o.size for o in self.outputs]
+        out_total = sum(sizes)
+        numerical = np.empty((leaf.size, out_total))
+        for k in range(leaf.size):
+            direction = np.zeros(leaf.size)
+            direction[k] = 1.0
+            numerical[k] = self._numerical_column(i, direction.reshape(leaf.shape))
+        for j in range(out_total):
+            onehot = np.zeros(out_total)
+            onehot[j] = 1.0
+            cotangents = [c.reshape(o.shape) for c, o in
+                          zip(np.split(onehot, np.cumsum(sizes)[:-1]), self.outputs)]
+            analytical = self._vjp(cotangents, i).ravel()
+            bad = np.abs(analytical - numerical[:, j]) > self.atol + self.rtol * np.abs(
+                numerical[:, j])
+            if bad.any():
+                k = int(np.argmax(bad))
+                index = tuple(int(n) for n in np.unravel_index(k, leaf.shape))
+                what = self.full.format(input=self.input_name(i), index=index,
+                                        output=self.output_name(j))
+                raise self._fail(what, float(analytical[k]), float(numerical[k, j]))
 
-
-def _check_directions(fn: Callable[..., Any], leaves: list[Any], outputs: list[Tensor],
-                      i: int, eps: float, atol: float, rtol: float, engine: Engine | None,
-                      rng: np.random.Generator, directions: int) -> None:
-    leaf = leaves[i]
-    for d in range(directions):
-        v = rng.standard_normal(leaf.shape)
-        us = [rng.standard_normal(o.shape) for o in outputs]
-        analytical = float(np.sum(_vjp(outputs, us, leaf, engine) * v))
-        column = _numerical_column(fn, leaves, i, v, eps)
-        numerical = float(np.dot(np.concatenate([u.ravel() for u in us]), column))
-        if abs(analytical - numerical) > atol + rtol * abs(numerical):
-            raise _fail(i, f"random direction {d} (u . J v)", analytical, numerical)
-
-
+    def _check_directions(self, i: int, rng: np.random.Generator, directions: int) -> None:
+        leaf = self.leaves[i]
+        for d in range(directions):
+            v = rng.standard_normal(leaf.shape)
+            us = [rng.standard_normal(o.shape) for o in self.outputs]
+            analytical = float(np.sum(self._vjp(us, i) * v))
+            column = self._numerical_column(i, v)
+            numerical = float(np.dot(np.concatenate([u.ravel() for u in us]), column))
+            if abs(analytical - numerical) > self.atol + self.rtol * abs(numerical):
+                what = self.directional.format(input=self.input_name(i), d=d)
+                raise self._fail(what, analytical, numerical)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pargrad import anomaly
 from pargrad.devices import CPU, Device
 from pargrad.hooks import Hook, NodeHooks, RemovableHandle
 from pargrad.shapes import sum_to
@@ -74,8 +75,8 @@ class Node:
     while it runs; engines enable it only for ``create_graph=True``.
     """
 
-    __slots__ = ("__weakref__", "_hooks", "_input_meta", "_output_meta", "_released",
-                 "device", "next_functions", "sequence_nr")
+    __slots__ = ("__weakref__", "_forward_trace", "_hooks", "_input_meta", "_output_meta",
+                 "_released", "device", "next_functions", "sequence_nr")
 
     def __init__(
         self,
@@ -91,6 +92,8 @@ class Node:
         self.device = device
         self.sequence_nr = next_sequence_nr()
         self._hooks: NodeHooks | None = None  # made by the first hook registered
+        # Where the forward created this node: recorded only under anomaly mode.
+        self._forward_trace = anomaly.forward_trace() if anomaly.mode.enabled else None
 
     def register_prehook(self, hook: Hook) -> RemovableHandle:
         """Call ``hook(grad_outputs)`` before this node's backward runs.
@@ -195,6 +198,11 @@ class Node:
         """How many outputs the forward operation produced (each has its own counter)."""
         return len(self._output_meta)
 
+    @property
+    def output_meta(self) -> tuple[Meta, ...]:
+        """The ``(shape, dtype)`` of each output of the forward operation."""
+        return self._output_meta
+
     def backward(self, grads: tuple[Grad, ...]) -> Sequence[Grad | None]:
         """Return one gradient (or None) per edge, given one gradient per output."""
         raise NotImplementedError(f"{self.name()} has no backward")
@@ -210,7 +218,27 @@ class Node:
         entry per edge in ``next_functions``. Raises ``BackwardError`` naming this node,
         with the original exception chained, if the backward fails or returns gradients
         that do not fit the inputs.
+
+        Under anomaly mode (of the calling thread) it also raises ``BackwardError`` if a
+        returned gradient holds NaN or Inf, and any error it raises carries the stack of
+        the forward call that created this node (``anomaly.add_forward_trace``).
         """
+        if not anomaly.mode.enabled:  # all that anomaly mode costs when it is off
+            return self._apply(grads, retain_graph)
+        try:
+            checked = self._apply(grads, retain_graph)
+            found = anomaly.first_nonfinite(checked) if anomaly.mode.check_nan else None
+            if found is not None:
+                i, what, index = found
+                raise BackwardError(self.name(), f"returned nan or inf values in its gradient "
+                                                 f"for input {i} ({what} at index {index})")
+        except BackwardError as exc:
+            inner = hasattr(exc, "forward_trace")
+            anomaly.add_forward_trace(exc, self.name(), self._forward_trace, inner=inner)
+            raise
+        return checked
+
+    def _apply(self, grads: Sequence[Grad | None], retain_graph: bool) -> list[Grad | None]:
         if all(g is None for g in grads):
             return [None] * len(self.next_functions)
         if self._released:

@@ -31,6 +31,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pargrad import anomaly
 from pargrad.engine.base import Engine
 from pargrad.engine.buffer import InputBuffer, Key, OrderedInputBuffer
 from pargrad.graph import (
@@ -106,6 +107,9 @@ class GraphTask:
         # the reference's order, so the recorded graph (its sequence numbers, hence the
         # order a second backward sums in) is the reference's too.
         self.serial = deterministic and create_graph
+        # The calling thread's anomaly mode: every thread that runs a node of this task
+        # runs it under this mode (as under grad mode ``create_graph``).
+        self.anomaly_mode = anomaly.current_mode()
         self.depth = depth  # reentrant nesting: 0 for a backward not called from a node
         self._on_done = on_done
         root_nodes = {node for node, _ in roots if node is not None}

@@ -49,6 +49,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 
+from pargrad import anomaly
 from pargrad.devices import CPU, Device, available_cores, device
 from pargrad.engine import blas
 from pargrad.engine.base import Engine, _engine_stack
@@ -228,9 +229,11 @@ def _process(task: GraphTask, local: Local, on: Device, *, reraise: bool,
     assert isinstance(engine, ThreadedEngine)
     previous_task = getattr(_local, "task", None)
     previous_mode = is_grad_enabled()
+    previous_anomaly = anomaly.current_mode()
     engines = _engine_stack()
     _local.task = task
     _set_enabled(task.create_graph)
+    anomaly.set_mode(task.anomaly_mode)
     engines.append(engine)
     cancelled, deliver, retain = task.cancelled, task.deliver, task.retain_graph
     deterministic, sinks, wanted = task.deterministic, task.sinks, task.wanted
@@ -280,6 +283,7 @@ def _process(task: GraphTask, local: Local, on: Device, *, reraise: bool,
     finally:
         engines.pop()
         _set_enabled(previous_mode)
+        anomaly.set_mode(previous_anomaly)
         _local.task = previous_task
 
 

@@ -39,7 +39,7 @@ matmul = defop("matmul", np.matmul, _matmul_lhs, _matmul_rhs,
 
 # ----- axes -----
 _transpose = defop("transpose", lambda x, *, axes: np.transpose(x, axes),
-                   lambda g, ans, x, *, axes: np.transpose(g, np.argsort(axes)),
+                   lambda g, ans, x, *, axes: np.transpose(g, tuple(np.argsort(axes))),
                    needs_values=False)
 
 
