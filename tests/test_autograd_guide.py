@@ -18,8 +18,8 @@ def section(title: str) -> str:
     return text[start:] if end < 0 else text[start:end]
 
 
-@pytest.mark.parametrize("title", ["Higher-order gradients and `gradgradcheck`",
-                                   "Anomaly mode", "Checkpointing", "Seeing the graph"])
+@pytest.mark.parametrize("title", ["`pargrad.grad`", "Higher-order gradients and `gradgradcheck`",
+                                   "Hooks", "Anomaly mode", "Checkpointing", "Seeing the graph"])
 def test_section_examples_run(title: str) -> None:
     blocks = re.findall(r"```python\n(.*?)```", section(title), flags=re.DOTALL)
     assert blocks, f"no example in {title}"
