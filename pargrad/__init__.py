@@ -19,6 +19,7 @@ from pargrad.engine import (
     set_default_engine,
     use_engine,
 )
+from pargrad.engine.trace import profile
 from pargrad.function import Function, FunctionCtx
 from pargrad.grad_mode import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 from pargrad.gradcheck import GradcheckError, gradcheck
@@ -78,4 +79,5 @@ __all__ = [
     "power", "relu", "reshape", "set_default_engine", "set_grad_enabled", "sigmoid", "sin",
     "softmax", "split", "sqrt", "squeeze", "stack", "subtract", "sum", "swapaxes", "tanh",
     "tensor", "to", "transpose", "use_engine", "where",
+    "profile",
 ]

@@ -31,6 +31,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pargrad.engine import trace
 from pargrad.engine.base import Engine
 from pargrad.engine.buffer import InputBuffer, Key, OrderedInputBuffer
 from pargrad.graph import AccumulateGrad, BackwardError, Dependencies, Edge, Grad, Node
@@ -96,6 +97,7 @@ class GraphTask:
         # order a second backward sums in) is the reference's too.
         self.serial = deterministic and create_graph
         self.depth = depth  # reentrant nesting: 0 for a backward not called from a node
+        self.number = trace.next_task_number()  # tells backward calls apart in a trace
         self._on_done = on_done
         root_nodes = {node for node, _ in roots if node is not None}
         self.dependencies = Dependencies(root_nodes)
