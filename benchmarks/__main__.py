@@ -35,7 +35,7 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
                                      description=(__doc__ or "").splitlines()[0])
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true",
-                      help="3 repeats after 1 warm-up, fewer widths (same graphs)")
+                      help="3-15 repeats after 1 warm-up, fewer widths (same graphs)")
     mode.add_argument("--smoke", action="store_true",
                       help="tiny graphs, one run each: checks that the suite runs")
     parser.add_argument("--only", metavar="NAME,...", help="run only these workloads")
@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         print("machine:")
         for key, value in facts.items():
             print(f"  {key}: {value}")
-        print(f"{mode} run: {s.repeats} repeats after {s.warmup} warm-up, medians; "
+        print(f"{mode} run: {s.repeats}-{s.max_repeats} repeats after {s.warmup} warm-up "
+              f"(as many as fit in {s.budget_s:.0f} s per workload), medians; "
               f"the default engine is threaded({made.default_workers})")
         for name, make in make_workloads(mode).items():
             if not _selected(name, only):

@@ -39,12 +39,15 @@ def time_trial(trial: Trial) -> tuple[float, float, np.ndarray]:
 def measure(trials: dict[str, Trial], repeats: int, warmup: int,
             tick: Callable[[], object] = lambda: None) -> dict[str, dict[str, list[float]]]:
     """Forward and backward seconds of each trial per kept repeat, trials in turn
-    within each repeat; ``tick`` is called after each run (a progress bar)."""
+    within each repeat, each repeat starting one trial further along (so that no trial
+    always follows the same one); ``tick`` is called after each run (a progress bar)."""
     samples: dict[str, dict[str, list[float]]] = {
         name: {"forward": [], "backward": []} for name in trials}
+    names = list(trials)
     for repeat in range(warmup + repeats):
-        for name, trial in trials.items():
-            forward, backward, _ = time_trial(trial)
+        shift = repeat % len(names)
+        for name in names[shift:] + names[:shift]:
+            forward, backward, _ = time_trial(trials[name])
             if repeat >= warmup:
                 samples[name]["forward"].append(forward)
                 samples[name]["backward"].append(backward)

@@ -122,7 +122,7 @@ def _ms(seconds: float) -> str:
 
 
 def print_workload(w: dict[str, Any]) -> None:
-    print(f"\n{w['name']}: {w['description']} ({w['nodes']} nodes)")
+    print(f"\n{w['name']}: {w['description']} ({w['nodes']} nodes, {w['repeats']} repeats)")
     print(f"  {'contender':<30}{'forward ms':>11}{'backward ms':>12}{'spread':>8}"
           f"{'seq/this':>9}{'peak MB':>9}")
     reference = median(w, SEQUENTIAL)

@@ -35,7 +35,9 @@ SEQUENTIAL = "sequential"
 @dataclass(frozen=True)
 class Settings:
     mode: str  # full, quick or smoke
-    repeats: int
+    repeats: int  # at least; more while a round of all contenders takes under round_s
+    max_repeats: int
+    budget_s: float  # the time the repeats of one workload may take, roughly
     warmup: int
     memory_repeats: int
     workers: tuple[int, ...]
@@ -45,13 +47,14 @@ class Settings:
 
 
 def settings(mode: str, workers: tuple[int, ...], cores: int) -> Settings:
-    """Repeats and sizes of ``mode``: full (7 repeats after 2 warm-up), quick (3 after 1:
-    the same graphs, under two minutes here), smoke (tiny graphs, one run: for CI)."""
+    """Repeats and sizes of ``mode``: full (7 to 31 repeats after 2 warm-up, as many as
+    fit in about 12 s per workload), quick (3 to 15 after 1, about 3 s: the same graphs,
+    under two minutes here), smoke (tiny graphs, one run: for CI)."""
     if mode == "full":
-        return Settings(mode, 7, 2, 2, workers, cores, (1, 2, 4, 8, 16), 5)
+        return Settings(mode, 7, 31, 12.0, 2, 2, workers, cores, (1, 2, 4, 8, 16), 5)
     if mode == "quick":
-        return Settings(mode, 3, 1, 1, workers, cores, (1, 2, 4, 8), 2)
-    return Settings(mode, 1, 0, 1, workers, cores, (1, 2), 1)
+        return Settings(mode, 3, 15, 3.0, 1, 1, workers, cores, (1, 2, 4, 8), 2)
+    return Settings(mode, 1, 1, 0.0, 0, 1, workers, cores, (1, 2), 1)
 
 
 @dataclass
@@ -126,9 +129,11 @@ def trials_of(workload: Workload, made: Contenders, cores: int
     return trials, kinds, skipped
 
 
-def check(trials: dict[str, Trial], tick: Callable[[], object]) -> None:
-    """Run every trial once (untimed; a warm-up too) and compare its gradient with the
-    reference's. Raises AssertionError naming a contender that computes another one."""
+def check(trials: dict[str, Trial], tick: Callable[[], object]) -> float:
+    """Run every trial once (a warm-up too) and compare its gradient with the
+    reference's; returns the seconds it took. Raises AssertionError naming a contender
+    that computes another gradient."""
+    started = time.perf_counter()
     expected: np.ndarray | None = None
     for name, trial in trials.items():
         _, _, grad = time_trial(trial)
@@ -140,13 +145,14 @@ def check(trials: dict[str, Trial], tick: Callable[[], object]) -> None:
         scale = float(np.max(np.abs(expected))) or 1.0
         np.testing.assert_allclose(grad, expected, rtol=tolerance, atol=tolerance * scale,
                                    err_msg=f"{name} disagrees with {SEQUENTIAL}")
+    return time.perf_counter() - started
 
 
 class _Silent:
     """What stands in for a tqdm bar when tqdm is not installed."""
 
-    def __init__(self, **_: Any) -> None:
-        pass
+    def __init__(self, total: int) -> None:
+        self.total = total
 
     def update(self, n: int = 1) -> None:
         pass
@@ -162,7 +168,7 @@ def progress(total: int, desc: str) -> Any:
     try:
         from tqdm import tqdm
     except ImportError:
-        return _Silent()
+        return _Silent(total)
     return tqdm(total=total, desc=desc, leave=False, unit="run", dynamic_ncols=True)
 
 
@@ -174,8 +180,10 @@ def run_workload(workload: Workload, made: Contenders, s: Settings) -> dict[str,
     bar = progress(len(trials) * (1 + s.warmup + s.repeats) + len(measured) * s.memory_repeats,
                    workload.name)
     try:
-        check(trials, bar.update)
-        samples = measure(trials, s.repeats, s.warmup, bar.update)
+        round_s = check(trials, bar.update)
+        repeats = min(s.max_repeats, max(s.repeats, int(s.budget_s / round_s)))
+        bar.total += len(trials) * (repeats - s.repeats)
+        samples = measure(trials, repeats, s.warmup, bar.update)
         memory = {}
         for name in measured:
             memory[name] = peak_backward_bytes(trials[name], s.memory_repeats)
@@ -191,7 +199,7 @@ def run_workload(workload: Workload, made: Contenders, s: Settings) -> dict[str,
                          "peak_backward_bytes": memory.get(name)}
     return {"name": workload.name, "description": workload.description,
             "nodes": workload.nodes(), "width": workload.width,
-            "contenders": figures, "skipped_peers": skipped,
+            "repeats": repeats, "contenders": figures, "skipped_peers": skipped,
             "seconds": time.perf_counter() - started}
 
 

@@ -17,7 +17,8 @@ Guarantees:
 - The first error is kept and cancels the task: NodeTasks not yet started are finished
   without running, so the count still drains and the caller is woken.
 
-Assumptions: no GIL. Nodes are spread over ``STRIPES`` lock stripes by sequence number;
+Assumptions: no GIL. Nodes are spread over up to ``STRIPES`` lock stripes (a power of
+two, fewer for small graphs) by sequence number;
 a stripe's lock guards its buffers and the counters of its nodes (``dependencies.counts``
 gains no keys after ``__init__``, so finding a node's counters needs no lock). One lock
 per node would cost its allocation on every node of every backward; one lock per task
@@ -52,12 +53,14 @@ class NodeTask:
         self.inputs = inputs  # set to None once the node has consumed them
 
 
-STRIPES = 64  # a power of two
-_STRIPE_MASK = STRIPES - 1
+STRIPES = 64  # the most stripes of a task; a power of two
+_SINGLE = [1]
+"""The counters of every node that exactly one edge reaches (see GraphTask.__init__)."""
 
 
 class _Stripe:
-    """The gradient buffers of the nodes whose ``sequence_nr % STRIPES`` is this stripe's."""
+    """The gradient buffers of the nodes whose ``sequence_nr`` modulo the task's stripe
+    count is this stripe's."""
 
     __slots__ = ("buffers", "lock")
 
@@ -103,11 +106,20 @@ class GraphTask:
         self.dependencies = Dependencies(root_nodes)
         # Nodes that exactly one edge reaches, and no root gradient: their one delivery
         # makes them ready with just that gradient, so they need no buffer, no counter
-        # and no lock (most nodes of a chain). Read-only after __init__.
-        self._single = frozenset(node for node, counts in self.dependencies.counts.items()
-                                 if counts == [1] and node not in root_nodes)
+        # and no lock (most nodes of a chain). Their counters become the shared _SINGLE
+        # (which marks them at no memory cost, and is never released).
+        counts = self.dependencies.counts
+        buffered = 0
+        for node, owed in counts.items():  # replaces values only: the keys stay as they are
+            if owed == [1] and node not in root_nodes:
+                counts[node] = _SINGLE
+            else:
+                buffered += 1
         self._buffer_type = OrderedInputBuffer if deterministic else InputBuffer
-        self._stripes = tuple(_Stripe() for _ in range(STRIPES))
+        # About one stripe per 8 buffered nodes, up to STRIPES: each stripe costs memory.
+        stripes = min(STRIPES, 1 << max(0, (buffered - 1) // 8).bit_length())
+        self._mask = stripes - 1
+        self._stripes = tuple(_Stripe() for _ in range(stripes))
         # Guards _outstanding, _error and _captured.
         self._lock = threading.Lock()
         self._outstanding = 0
@@ -136,7 +148,7 @@ class GraphTask:
     def _buffer(self, node: Node) -> InputBuffer | OrderedInputBuffer:
         """``node``'s buffer, made on first use. The caller holds the node's stripe lock,
         or is ``start``."""
-        buffers = self._stripes[node.sequence_nr & _STRIPE_MASK].buffers
+        buffers = self._stripes[node.sequence_nr & self._mask].buffers
         buffer = buffers.get(node)
         if buffer is None:
             buffer = buffers[node] = self._buffer_type(node.num_outputs)
@@ -145,7 +157,7 @@ class GraphTask:
     def _take(self, node: Node) -> list[Grad | None]:
         """Remove ``node``'s buffer and return its sums (it is ready). Same locking."""
         buffer = self._buffer(node)
-        del self._stripes[node.sequence_nr & _STRIPE_MASK].buffers[node]
+        del self._stripes[node.sequence_nr & self._mask].buffers[node]
         return buffer.take()
 
     def deliver(self, node: Node, output_nr: int, grad: Grad | None,
@@ -155,9 +167,9 @@ class GraphTask:
         If this delivery made the node ready (exactly one caller sees that), returns its
         gathered gradients, which the caller must pass to ``finish``; else None.
         """
-        if node in self._single:
+        if self.dependencies.counts[node] is _SINGLE:
             return [grad]  # what its buffer would hold: the one gradient, or None
-        with self._stripes[node.sequence_nr & _STRIPE_MASK].lock:
+        with self._stripes[node.sequence_nr & self._mask].lock:
             self._buffer(node).accumulate(output_nr, grad, key)
             if not self.dependencies.release(node, output_nr):
                 return None
