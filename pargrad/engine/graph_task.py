@@ -138,27 +138,25 @@ class GraphTask:
         """
         for i, ((node, output_nr), grad) in enumerate(zip(self.roots, self.root_grads)):
             if node is not None:
-                self._buffer(node).accumulate(output_nr, grad, (0, i))
+                self._buffer(self._stripe(node), node).accumulate(output_nr, grad, (0, i))
         ready: list[Ready] = []
         for node in dict.fromkeys(n for n, _ in self.roots if n is not None):
             if self.dependencies.is_ready(node):
-                ready.append((node, self._take(node)))
+                buffer = self._buffer(stripe := self._stripe(node), node)
+                del stripe.buffers[node]
+                ready.append((node, buffer.take()))
         return self.finish(ready, finished=0)
 
-    def _buffer(self, node: Node) -> InputBuffer | OrderedInputBuffer:
-        """``node``'s buffer, made on first use. The caller holds the node's stripe lock,
-        or is ``start``."""
-        buffers = self._stripes[node.sequence_nr & self._mask].buffers
-        buffer = buffers.get(node)
-        if buffer is None:
-            buffer = buffers[node] = self._buffer_type(node.num_outputs)
-        return buffer
+    def _stripe(self, node: Node) -> _Stripe:
+        return self._stripes[node.sequence_nr & self._mask]
 
-    def _take(self, node: Node) -> list[Grad | None]:
-        """Remove ``node``'s buffer and return its sums (it is ready). Same locking."""
-        buffer = self._buffer(node)
-        del self._stripes[node.sequence_nr & self._mask].buffers[node]
-        return buffer.take()
+    def _buffer(self, stripe: _Stripe, node: Node) -> InputBuffer | OrderedInputBuffer:
+        """``node``'s buffer in its ``stripe``, made on first use. The caller holds the
+        stripe's lock, or is ``start``."""
+        buffer = stripe.buffers.get(node)
+        if buffer is None:
+            buffer = stripe.buffers[node] = self._buffer_type(node.num_outputs)
+        return buffer
 
     def deliver(self, node: Node, output_nr: int, grad: Grad | None,
                 key: Key | None) -> list[Grad | None] | None:
@@ -169,11 +167,14 @@ class GraphTask:
         """
         if self.dependencies.counts[node] is _SINGLE:
             return [grad]  # what its buffer would hold: the one gradient, or None
-        with self._stripes[node.sequence_nr & self._mask].lock:
-            self._buffer(node).accumulate(output_nr, grad, key)
+        stripe = self._stripes[node.sequence_nr & self._mask]
+        with stripe.lock:
+            buffer = self._buffer(stripe, node)
+            buffer.accumulate(output_nr, grad, key)
             if not self.dependencies.release(node, output_nr):
                 return None
-            return self._take(node)
+            del stripe.buffers[node]
+        return buffer.take()  # out of its stripe: no other thread can reach it now
 
     def finish(self, ready: list[Ready], finished: int = 1) -> list[Ready]:
         """Account for ``finished`` nodes done and the ``ready`` ones they made.
