@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 workload = make()
             except ImportError as exc:
-                figures["skipped_workloads"][name] = f"needs {exc.name}: pip install -e '.[bench]'"
+                figures["skipped_workloads"][name] = (
+                    f"needs hypothesis ({exc}): pip install -e '.[bench]'")
                 print(f"\nskipped {name}: {figures['skipped_workloads'][name]}")
                 continue
             result = run_workload(workload, made, s)
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             from benchmarks.plots import plot
             plot(args.plot, figures)
         except ImportError as exc:
-            print(f"no plot: needs {exc.name}: pip install -e '.[bench]'")
+            print(f"no plot: needs matplotlib ({exc}): pip install -e '.[bench]'")
         else:
             print(f"wrote {args.plot}")
     return 0
