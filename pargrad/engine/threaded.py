@@ -253,10 +253,18 @@ def _process(task: GraphTask, local: Local, on: Device, *, reraise: bool,
                 counts.nodes += 1
                 if node is handed:
                     counts.handed_off += 1
-                if records is not None:
-                    start = now()
+                start = 0.0
                 try:
-                    outputs = node.apply(inputs, retain_graph=retain)
+                    gated = node.calls_blas
+                    if gated:  # BLAS nodes: at most as many at once as the cores allow
+                        blas.enter_gate()
+                    if records is not None:
+                        start = now()
+                    try:
+                        outputs = node.apply(inputs, retain_graph=retain)
+                    finally:
+                        if gated:
+                            blas.leave_gate()
                     del inputs
                     seq = node.sequence_nr
                     for e, ((next_node, input_nr), grad) in enumerate(
