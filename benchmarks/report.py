@@ -123,12 +123,12 @@ def _ms(seconds: float) -> str:
 
 def print_workload(w: dict[str, Any]) -> None:
     print(f"\n{w['name']}: {w['description']} ({w['nodes']} nodes, {w['repeats']} repeats)")
-    print(f"  {'contender':<30}{'forward ms':>11}{'backward ms':>12}{'spread':>8}"
+    print(f"  {'contender':<30}{'forward ms':>11}{'backward ms':>12}{'±IQR/2':>8}"
           f"{'seq/this':>9}{'peak MB':>9}")
     reference = median(w, SEQUENTIAL)
     for name, c in w["contenders"].items():
         back = c["backward"]
-        spread = (back["max_s"] - back["min_s"]) / 2 / back["median_s"]
+        spread = (back["q3_s"] - back["q1_s"]) / 2 / back["median_s"]  # half the IQR
         forward = "    fused" if c["fused"] else _ms(c["forward"]["median_s"])
         backward = f"{c['total']['median_s'] * 1e3:9.2f}*" if c["fused"] else \
             f"{_ms(back['median_s'])} "

@@ -467,9 +467,14 @@ class ThreadedEngine(Engine):
         try:
             queue = pool.queue(on)
 
+            caller = threading.current_thread()
+
             def on_done(task: GraphTask) -> None:
                 pool.task_done()
-                queue.wake_all()  # the caller may be blocked in queue.get
+                # The caller may be blocked in queue.get; if it finished the task itself,
+                # it is not, and waking the idle workers would only cost GIL switches.
+                if threading.current_thread() is not caller:
+                    queue.wake_all()
 
             task = GraphTask(roots, grads, retain_graph=retain_graph,
                              create_graph=create_graph, deterministic=self.deterministic,
