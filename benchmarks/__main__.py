@@ -35,7 +35,7 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
                                      description=(__doc__ or "").splitlines()[0])
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true",
-                      help="3-15 repeats after 1 warm-up, fewer widths (same graphs)")
+                      help="3-15 repeats after 1 warm-up, fewer widths and random DAGs")
     mode.add_argument("--smoke", action="store_true",
                       help="tiny graphs, one run each: checks that the suite runs")
     parser.add_argument("--only", metavar="NAME,...", help="run only these workloads")

@@ -414,7 +414,7 @@ SMOKE: dict[str, dict[str, Any]] = {
 CLASSES: dict[str, Callable[..., Workload]] = {
     "wide-matmul": WideMatmul, "wide-elementwise": WideElementwise, "tiny-chain": TinyChain,
     "fan-in": FanIn, "mlp-step": MlpStep}
-RANDOM_DAG_STEPS = {"full": (30, 300, 1000), "quick": (30, 300, 1000), "smoke": (12,)}
+RANDOM_DAG_STEPS = {"full": (30, 300, 1000), "quick": (30, 300), "smoke": (12,)}
 
 
 def make_workloads(mode: str) -> dict[str, Callable[[], Workload]]:
