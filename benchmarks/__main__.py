@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             report.print_workload(result)
         for name in WIDE:
             if _selected(name, only):
-                figures["widths"][name] = run_widths(name, made, s)
+                measured = next(w for w in figures["workloads"] if w["name"] == name)
+                figures["widths"][name] = run_widths(name, made, s, measured)
     default = f"threaded({made.default_workers})"
     if figures["widths"]:
         report.print_widths(figures["widths"])

@@ -203,15 +203,23 @@ def run_workload(workload: Workload, made: Contenders, s: Settings) -> dict[str,
             "seconds": time.perf_counter() - started}
 
 
-def run_widths(name: str, made: Contenders, s: Settings) -> dict[str, Any]:
+def run_widths(name: str, made: Contenders, s: Settings,
+               measured: dict[str, Any] | None = None) -> dict[str, Any]:
     """Backward medians of the reference, each threaded(w) and the two ceilings on
-    ``cores`` threads, for ``name`` at each width of ``s.widths``."""
+    ``cores`` threads, for ``name`` at each width of ``s.widths``. ``measured``: the
+    figures of the workload itself from this run, reused at its own width."""
     _, threads, threads_blas_1 = ceiling_names(s.cores)
     wanted = [SEQUENTIAL, *[f"threaded({w})" for w in s.workers], threads, threads_blas_1]
     rows: dict[str, Any] = {}
-    bar = progress(len(s.widths) * len(wanted) * (1 + s.width_repeats), f"{name} by width")
+    widths = [w for w in s.widths if measured is None or w != measured["width"]]
+    bar = progress(len(widths) * len(wanted) * (1 + s.width_repeats), f"{name} by width")
     try:
         for width in s.widths:
+            if width not in widths:
+                assert measured is not None
+                rows[str(width)] = {key: measured["contenders"][key]["backward"]
+                                    for key in wanted}
+                continue
             workload: Branchy = make_wide(name, s.mode, width)
             trials, _, _ = trials_of(workload, made, s.cores)
             chosen = {key: trials[key] for key in wanted}
