@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 import time
 from typing import Any
@@ -93,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     if figures["targets"]:
         report.print_targets(figures["targets"])
     figures["seconds"] = time.perf_counter() - started
-    print(f"\n{mode} run took {figures['seconds']:.0f} s")
+    facts["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    print(f"\n{mode} run took {figures['seconds']:.0f} s; load average at the end "
+          f"{facts['load_average_at_end']}")
     if args.json:
         report.write_json(args.json, figures)
         print(f"wrote {args.json}")
