@@ -78,6 +78,10 @@ class Node:
     __slots__ = ("__weakref__", "_forward_trace", "_hooks", "_input_meta", "_output_meta",
                  "_released", "device", "next_functions", "sequence_nr")
 
+    # Its backward runs BLAS, which has threads of its own: a parallel engine runs only
+    # as many such nodes at once as the cores allow (engine/blas.py).
+    calls_blas = False
+
     def __init__(
         self,
         next_functions: tuple[Edge, ...],

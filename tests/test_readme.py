@@ -28,6 +28,7 @@ def test_readme_examples_run() -> None:
 def test_readme_commands_are_the_ci_commands() -> None:
     text = README.read_text()
     ci = (README.parent / ".ci" / "run").read_text()
-    assert "pip install -e . && python -m pargrad.demo" in text
+    assert "pip install -e '.[bench]' && python -m benchmarks --quick" in text
+    assert "python -m pargrad.demo" in text
     assert "pip install -e '.[test]' && pytest" in text
     assert "pip install -e '.[test]' && pytest" in ci

@@ -17,7 +17,8 @@ Guarantees:
 - The first error is kept and cancels the task: NodeTasks not yet started are finished
   without running, so the count still drains and the caller is woken.
 
-Assumptions: no GIL. Nodes are spread over ``STRIPES`` lock stripes by sequence number;
+Assumptions: no GIL. Nodes are spread over up to ``STRIPES`` lock stripes (a power of
+two, fewer for small graphs) by sequence number;
 a stripe's lock guards its buffers and the counters of its nodes (``dependencies.counts``
 gains no keys after ``__init__``, so finding a node's counters needs no lock). One lock
 per node would cost its allocation on every node of every backward; one lock per task
@@ -32,6 +33,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pargrad import anomaly
+from pargrad.engine import trace
 from pargrad.engine.base import Engine
 from pargrad.engine.buffer import InputBuffer, Key, OrderedInputBuffer
 from pargrad.graph import (
@@ -61,12 +63,14 @@ class NodeTask:
         self.inputs = inputs  # set to None once the node has consumed them
 
 
-STRIPES = 64  # a power of two
-_STRIPE_MASK = STRIPES - 1
+STRIPES = 64  # the most stripes of a task; a power of two
+_SINGLE = [1]
+"""The counters of every node that exactly one edge reaches (see GraphTask.__init__)."""
 
 
 class _Stripe:
-    """The gradient buffers of the nodes whose ``sequence_nr % STRIPES`` is this stripe's."""
+    """The gradient buffers of the nodes whose ``sequence_nr`` modulo the task's stripe
+    count is this stripe's."""
 
     __slots__ = ("buffers", "lock")
 
@@ -111,31 +115,38 @@ class GraphTask:
         # runs it under this mode (as under grad mode ``create_graph``).
         self.anomaly_mode = anomaly.current_mode()
         self.depth = depth  # reentrant nesting: 0 for a backward not called from a node
+        self.number = trace.next_task_number()  # tells backward calls apart in a trace
         self._on_done = on_done
         root_nodes = {node for node, _ in roots if node is not None}
         # With inputs (pargrad.grad): the nodes on a path to them, and which of those run.
-        self._runs = None if inputs is None else needed(root_nodes, inputs)
-        self.dependencies = Dependencies(root_nodes, within=self._runs)
+        runs = None if inputs is None else needed(root_nodes, inputs)
+        self.dependencies = Dependencies(root_nodes, within=runs)
         # Nodes that exactly one edge reaches, and no root gradient: their one delivery
         # makes them ready with just that gradient, so they need no buffer, no counter
-        # and no lock (most nodes of a chain). Sinks: the nodes whose gradients are kept
-        # and that do not run (leaves; with inputs, a target with nothing needed beyond
-        # it). Both read-only after __init__.
-        single, sinks = [], []
-        runs = self._runs
-        for node, counts in self.dependencies.counts.items():
-            if counts == [1] and node not in root_nodes:
-                single.append(node)
+        # and no lock (most nodes of a chain). Their counters become the shared _SINGLE
+        # (which marks them at no memory cost, and is never released). Sinks: the nodes
+        # whose gradients are kept and that do not run (leaves; with inputs, a target with
+        # nothing needed beyond it). Both read-only after __init__.
+        counts = self.dependencies.counts
+        buffered = 0
+        sinks = []
+        for node, owed in counts.items():  # replaces values only: the keys stay as they are
+            if owed == [1] and node not in root_nodes:
+                counts[node] = _SINGLE
+            else:
+                buffered += 1
             if isinstance(node, AccumulateGrad) or (runs is not None and not runs[node]):
                 sinks.append(node)
-        self._single = frozenset(single)
         self.sinks = frozenset(sinks)
         self._kept = Kept(inputs, on_kept)  # its grads guarded by _lock
         # Nodes that run and whose gradients are kept too (read-only).
         self.wanted = frozenset(self._kept.wanted).difference(self.sinks)
         self._buffer_type = OrderedInputBuffer if deterministic else InputBuffer
-        self._stripes = tuple(_Stripe() for _ in range(STRIPES))
-        # Guards _outstanding, _error and _kept.
+        # About one stripe per 8 buffered nodes, up to STRIPES: each stripe costs memory.
+        stripes = min(STRIPES, 1 << max(0, (buffered - 1) // 8).bit_length())
+        self._mask = stripes - 1
+        self._stripes = tuple(_Stripe() for _ in range(stripes))
+        # Guards _outstanding, _error and _kept.grads.
         self._lock = threading.Lock()
         self._outstanding = 0
         self._error: BaseException | None = None
@@ -153,30 +164,28 @@ class GraphTask:
         counted = self.dependencies.counts
         for i, ((node, output_nr), grad) in enumerate(zip(self.roots, self.root_grads)):
             if node in counted:
-                self._buffer(node).accumulate(output_nr, grad, (0, i))
+                self._buffer(self._stripe(node), node).accumulate(output_nr, grad, (0, i))
         ready: list[Ready] = []
         for node in dict.fromkeys(n for n, _ in self.roots if n in counted):
             if self.dependencies.is_ready(node):
+                buffer = self._buffer(stripe := self._stripe(node), node)
+                del stripe.buffers[node]
                 if node in self.sinks:
-                    self.sink(node, self._take(node))
+                    self.sink(node, buffer.take())
                 else:
-                    ready.append((node, self._take(node)))
+                    ready.append((node, buffer.take()))
         return self.finish(ready, finished=0)
 
-    def _buffer(self, node: Node) -> InputBuffer | OrderedInputBuffer:
-        """``node``'s buffer, made on first use. The caller holds the node's stripe lock,
-        or is ``start``."""
-        buffers = self._stripes[node.sequence_nr & _STRIPE_MASK].buffers
-        buffer = buffers.get(node)
-        if buffer is None:
-            buffer = buffers[node] = self._buffer_type(node.num_outputs)
-        return buffer
+    def _stripe(self, node: Node) -> _Stripe:
+        return self._stripes[node.sequence_nr & self._mask]
 
-    def _take(self, node: Node) -> list[Grad | None]:
-        """Remove ``node``'s buffer and return its sums (it is ready). Same locking."""
-        buffer = self._buffer(node)
-        del self._stripes[node.sequence_nr & _STRIPE_MASK].buffers[node]
-        return buffer.take()
+    def _buffer(self, stripe: _Stripe, node: Node) -> InputBuffer | OrderedInputBuffer:
+        """``node``'s buffer in its ``stripe``, made on first use. The caller holds the
+        stripe's lock, or is ``start``."""
+        buffer = stripe.buffers.get(node)
+        if buffer is None:
+            buffer = stripe.buffers[node] = self._buffer_type(node.num_outputs)
+        return buffer
 
     def deliver(self, node: Node, output_nr: int, grad: Grad | None,
                 key: Key | None) -> list[Grad | None] | None:
@@ -185,15 +194,19 @@ class GraphTask:
         If this delivery made the node ready (exactly one caller sees that), returns its
         gathered gradients, which the caller must pass to ``finish``; else None.
         """
-        if node in self._single:
+        owed = self.dependencies.counts.get(node)
+        if owed is _SINGLE:
             return [grad]  # what its buffer would hold: the one gradient, or None
-        if self._runs is not None and node not in self._runs:
-            return None  # it leads to no input: the gradient is not needed
-        with self._stripes[node.sequence_nr & _STRIPE_MASK].lock:
-            self._buffer(node).accumulate(output_nr, grad, key)
+        if owed is None:
+            return None  # with inputs: a node that leads to none of them
+        stripe = self._stripes[node.sequence_nr & self._mask]
+        with stripe.lock:
+            buffer = self._buffer(stripe, node)
+            buffer.accumulate(output_nr, grad, key)
             if not self.dependencies.release(node, output_nr):
                 return None
-            return self._take(node)
+            del stripe.buffers[node]
+        return buffer.take()  # out of its stripe: no other thread can reach it now
 
     def finish(self, ready: list[Ready], finished: int = 1) -> list[Ready]:
         """Account for ``finished`` nodes done and the ``ready`` ones they made.

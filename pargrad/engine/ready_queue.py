@@ -26,7 +26,7 @@ class ReadyQueue(Generic[T]):
     """A thread-safe priority queue of ready work for one device."""
 
     def __init__(self) -> None:
-        # Guards _heap, _order, _closed and _waiting.
+        # Guards _heap, _order, _closed, _waiting and _waits.
         self._lock = threading.Lock()
         # Notified when an item is put, when the queue is closed, and by wake_all (a
         # waiter's stop event was set). Waiters re-check their predicate on waking.
@@ -35,6 +35,7 @@ class ReadyQueue(Generic[T]):
         self._order = itertools.count()  # ties broken first in, first out
         self._closed = False
         self._waiting = 0  # threads blocked in get
+        self._waits = 0  # times a get blocked (for statistics)
 
     def put(self, item: T, depth: int, sequence_nr: int) -> None:
         """Add ``item`` (of a backward at reentrant ``depth``, for node ``sequence_nr``)."""
@@ -58,6 +59,7 @@ class ReadyQueue(Generic[T]):
                 if self._closed:
                     return None
                 self._waiting += 1
+                self._waits += 1
                 try:
                     self.not_empty.wait()
                 except BaseException:
@@ -66,6 +68,12 @@ class ReadyQueue(Generic[T]):
                     raise
                 finally:
                     self._waiting -= 1
+
+    @property
+    def waits(self) -> int:
+        """How many times a ``get`` found the queue empty and blocked."""
+        with self._lock:
+            return self._waits
 
     def wake_all(self) -> None:
         """Wake every blocked ``get`` so it re-checks its stop event."""

@@ -55,6 +55,7 @@ from pargrad.engine import blas
 from pargrad.engine.base import Engine, _engine_stack
 from pargrad.engine.graph_task import GraphTask, NodeTask, Ready
 from pargrad.engine.ready_queue import ReadyQueue
+from pargrad.engine.trace import Counters, Statistics, Trace, now, recording
 from pargrad.grad_mode import _set_enabled, is_grad_enabled
 from pargrad.graph import BackwardError, Edge, Grad, Node
 
@@ -140,6 +141,12 @@ class _Pool:
         with self._lock:
             return list(self._threads)
 
+    def queue_waits(self) -> int:
+        """How often a thread blocked on one of the ReadyQueues, all devices together."""
+        with self._lock:
+            queues = list(self._queues.values())
+        return sum(q.waits for q in queues)
+
     def shutdown(self, wait: bool) -> None:
         """Refuse new backward calls; the ones in flight still finish, and the workers
         exit after them. With ``wait``, block until then and join the workers.
@@ -211,11 +218,11 @@ def _process_item(item: NodeTask, on: Device, *, reraise: bool,
     assert item.inputs is not None
     local: Local = [(-item.node.sequence_nr, item.node, item.inputs)]
     item.inputs = None
-    _process(item.task, local, on, reraise=reraise, owner=owner)
+    _process(item.task, local, on, reraise=reraise, owner=owner, handed=item.node)
 
 
 def _process(task: GraphTask, local: Local, on: Device, *, reraise: bool,
-             owner: GraphTask | None = None) -> None:
+             owner: GraphTask | None = None, handed: Node | None = None) -> None:
     """Run the nodes on ``local`` and the work they keep, on this thread (see the module
     doc): each node's backward, then the delivery of its gradients along its edges.
 
@@ -223,10 +230,13 @@ def _process(task: GraphTask, local: Local, on: Device, *, reraise: bool,
     recorded in the task and raised again here; otherwise nothing escapes. ``owner`` is
     the task of the backward this thread is waiting for: an interrupt while running
     another caller's node fails that task with a BackwardError saying so, and reaches
-    only this thread's caller as the interrupt itself.
+    only this thread's caller as the interrupt itself. ``handed`` is the node this
+    thread took from a ReadyQueue (the others on ``local`` it runs inline).
     """
     engine = task.engine
     assert isinstance(engine, ThreadedEngine)
+    counts = engine._counters.mine()
+    records = recording(engine.trace)  # None unless tracing: checked once per node
     previous_task = getattr(_local, "task", None)
     previous_mode = is_grad_enabled()
     previous_anomaly = anomaly.current_mode()
@@ -243,10 +253,23 @@ def _process(task: GraphTask, local: Local, on: Device, *, reraise: bool,
             ready: list[Ready] = []
             interrupt: BaseException | None = None
             if not cancelled.is_set():
+                counts.nodes += 1
+                if node is handed:
+                    counts.handed_off += 1
+                start = 0.0
                 try:
                     if node._hooks is not None or (wanted and node in wanted):
                         inputs = task.prepare(node, inputs)
-                    outputs = node.apply(inputs, retain_graph=retain)
+                    gated = node.calls_blas
+                    if gated:  # BLAS nodes: at most as many at once as the cores allow
+                        blas.enter_gate()
+                    if records is not None:
+                        start = now()
+                    try:
+                        outputs = node.apply(inputs, retain_graph=retain)
+                    finally:
+                        if gated:
+                            blas.leave_gate()
                     del inputs
                     seq = node.sequence_nr
                     for e, ((next_node, input_nr), grad) in enumerate(
@@ -271,6 +294,11 @@ def _process(task: GraphTask, local: Local, on: Device, *, reraise: bool,
                         task.fail(other, node)
                     if reraise and not isinstance(exc, Exception):
                         interrupt = exc
+                if records is not None:
+                    record = (node.name(), node.sequence_nr, str(on), start, now(),
+                              node is handed, task.number)
+                    for sink in records:
+                        sink.append(record)
             runnable = task.finish(ready)
             if interrupt is not None:
                 for _ in range(len(local) + len(runnable)):  # all of this cancelled task
@@ -369,6 +397,10 @@ class ThreadedEngine(Engine):
             default: it pays off for graphs with parallel matmul branches, but a BLAS that
             just ran on all cores keeps its threads spinning for a while, and an MLP's
             backward ran 1.7x slower with it (docs/performance.md).
+        trace: record every node it runs in ``engine.trace``, a ``Trace`` (thread, device,
+            start and end, inline or handed off) that exports Chrome trace JSON
+            (``engine.trace.save_chrome_trace(path)``); ``pargrad.profile()`` records
+            the nodes of every engine for the length of a block instead.
 
     ``execute`` blocks the caller, who works meanwhile. Thread-safe: any number of
     threads may run backward calls on one engine at once, and nodes may call backward
@@ -390,8 +422,11 @@ class ThreadedEngine(Engine):
         deterministic: bool = False,
         handoff_threshold: int = DEFAULT_HANDOFF_THRESHOLD,
         limit_blas: bool = False,
+        trace: bool = False,
     ) -> None:
         self._pool = _Pool(workers)
+        self.trace = Trace() if trace else None
+        self._counters = Counters()
         self.deterministic = bool(deterministic)
         self.handoff_threshold = int(handoff_threshold)
         self.limit_blas = bool(limit_blas)
@@ -409,6 +444,21 @@ class ThreadedEngine(Engine):
         """The worker threads started so far (workers start when their device first
         gets work)."""
         return self._pool.threads()
+
+    def statistics(self) -> Statistics:
+        """What this engine did so far: nodes run per thread, inline and handed off,
+        ReadyQueue waits, backward calls ended and failed. Thread-safe; exact for the
+        backward calls that have returned.
+
+        >>> import pargrad
+        >>> engine = pargrad.ThreadedEngine(workers=1)
+        >>> x = pargrad.tensor([1.0, 2.0], requires_grad=True)
+        >>> (x * x).sum().backward(engine=engine)
+        >>> stats = engine.statistics()
+        >>> stats.nodes, stats.graph_tasks_completed, stats.errors
+        (2, 1, 0)
+        """
+        return self._counters.statistics(self._pool.queue_waits())
 
     def execute(
         self,
@@ -429,9 +479,14 @@ class ThreadedEngine(Engine):
         try:
             queue = pool.queue(on)
 
+            caller = threading.current_thread()
+
             def on_done(task: GraphTask) -> None:
                 pool.task_done()
-                queue.wake_all()  # the caller may be blocked in queue.get
+                # The caller may be blocked in queue.get; if it finished the task itself,
+                # it is not, and waking the idle workers would only cost GIL switches.
+                if threading.current_thread() is not caller:
+                    queue.wake_all()
 
             task = GraphTask(roots, grads, retain_graph=retain_graph,
                              create_graph=create_graph, deterministic=self.deterministic,
@@ -466,11 +521,13 @@ class ThreadedEngine(Engine):
                     _local.depth = depth
         except BaseException as exc:
             task.fail(exc)  # cancel what is left; the first error stays the first
+            self._counters.task_ended(failed=True)
             raise
         finally:
             if limited:
                 blas.restore()
         error = task.error
+        self._counters.task_ended(failed=error is not None)
         if error is not None:
             raise _with_hint(error)
         return task.captured()

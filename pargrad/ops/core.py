@@ -55,6 +55,9 @@ class Op:
     Outputs are on the device of the Tensor operands, which must agree; an op made with
     ``moves_device=True`` (``to``) puts them on its ``device=`` parameter instead.
 
+    ``calls_blas=True`` (matmul) says that the rules run BLAS, which uses threads of its
+    own; its nodes tell the engine so (``Node.calls_blas``).
+
     Calling an op returns a Tensor (``outputs`` returns the tuple of a multi-output op).
     ``doc`` becomes the op's ``__doc__``.
     """
@@ -69,6 +72,7 @@ class Op:
         multi_output: bool = False,
         needs_values: bool = True,
         moves_device: bool = False,
+        calls_blas: bool = False,
         doc: str | None = None,
     ) -> None:
         self.__doc__ = doc or f"The differentiable numpy ``{name}``."
@@ -80,6 +84,7 @@ class Op:
         self.multi_output = multi_output
         self.needs_values = needs_values
         self.moves_device = moves_device
+        self.node_type = BlasOpNode if calls_blas else OpNode
 
     def __repr__(self) -> str:
         return f"<pargrad op {self.name}>"
@@ -111,7 +116,7 @@ class Op:
         if outs[0].dtype.kind == "f" and is_grad_enabled():
             for a in operands:
                 if isinstance(a, Tensor) and a.requires_grad:
-                    node = OpNode(self, operands, params, outs, on)
+                    node = self.node_type(self, operands, params, outs, on)
                     break
         return tuple(Tensor._make(o, node, i, on) for i, o in enumerate(outs))
 
@@ -246,11 +251,19 @@ class OpNode(Node):
         ]
 
 
+class BlasOpNode(OpNode):
+    """The backward node of an op whose rules run BLAS (``Op(calls_blas=True)``)."""
+
+    __slots__ = ()
+    calls_blas = True
+
+
 def defop(name: str, forward: Callable[..., Any], *rules: Rule, **options: Any) -> Op:
     """Define an op from its numpy forward and one gradient rule per positional argument.
 
     An op whose forward is a numpy ufunc also serves that ufunc called on Tensors.
-    Options: ``argnum_rule``, ``multi_output``, ``needs_values``, ``doc`` (see ``Op``).
+    Options: ``argnum_rule``, ``multi_output``, ``needs_values``, ``calls_blas``, ``doc``
+    (see ``Op``).
     """
     op = Op(name, forward, rules, **options)
     if isinstance(forward, np.ufunc):

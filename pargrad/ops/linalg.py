@@ -34,7 +34,7 @@ def _matmul_rhs(g: Any, ans: Any, a: Any, b: Any) -> Any:
 
 
 # ----- products -----
-matmul = defop("matmul", np.matmul, _matmul_lhs, _matmul_rhs,
+matmul = defop("matmul", np.matmul, _matmul_lhs, _matmul_rhs, calls_blas=True,
                doc="Matrix product with numpy's semantics (1-D operands, batch broadcasting).")
 
 # ----- axes -----

@@ -1,0 +1,115 @@
+"""Run the benchmark suite: ``python -m benchmarks [--quick | --smoke] [--only NAME,...]
+[--workers 1,2,4] [--json FILE] [--plot FILE] [--no-peers]``, from the repository root.
+
+Prints the machine's facts, a table per workload (forward and backward medians, their
+spread, the reference's backward over each contender's, the peak backward memory), the
+speed-up against graph width, and the targets with their measured ratios. ``--json``
+saves every figure (each sample); ``--plot`` draws the speed-ups as a PNG (matplotlib).
+Compare figures within one run only: the ratios are what carries over, not the times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+from typing import Any
+
+from benchmarks import report
+from benchmarks.measure import machine_facts
+from benchmarks.peers import versions
+from benchmarks.suite import contenders, run_widths, run_workload, settings
+from benchmarks.workloads import make_workloads
+
+WIDE = ("wide-matmul", "wide-elementwise")
+
+
+def _selected(name: str, only: list[str] | None) -> bool:
+    """``--only wide-matmul`` picks that workload; ``--only random-dag`` every size."""
+    return only is None or any(name == o or name.startswith(o + ":") for o in only)
+
+
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks",
+                                     description=(__doc__ or "").splitlines()[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true",
+                      help="3-15 repeats after 1 warm-up, fewer widths and random DAGs")
+    mode.add_argument("--smoke", action="store_true",
+                      help="tiny graphs, one run each: checks that the suite runs")
+    parser.add_argument("--only", metavar="NAME,...", help="run only these workloads")
+    parser.add_argument("--workers", metavar="N,...", default="1,2,4",
+                        help="the ThreadedEngine worker counts to compare (default 1,2,4)")
+    parser.add_argument("--json", metavar="FILE", help="write every figure to FILE")
+    parser.add_argument("--plot", metavar="FILE", help="draw the speed-ups into FILE (PNG)")
+    parser.add_argument("--no-peers", action="store_true", help="skip PyTorch and HIPS")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _arguments(argv)
+    only = args.only.split(",") if args.only else None
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    facts = machine_facts()
+    workers = tuple(sorted({int(w) for w in args.workers.split(",")}
+                           | {facts["pargrad_default_workers"]}))
+    s = settings(mode, workers, facts["cores"])
+    started = time.perf_counter()
+    figures: dict[str, Any] = {"machine": facts, "settings": s.__dict__, "workloads": [],
+                               "widths": {}, "skipped_workloads": {}}
+    with contenders(workers, s.cores, use_peers=not args.no_peers) as made:
+        facts.update(versions(made.peers))
+        gc.freeze()  # what exists now is never garbage: collections between runs skip it
+        print("machine:")
+        for key, value in facts.items():
+            print(f"  {key}: {value}")
+        print(f"{mode} run: {s.repeats}-{s.max_repeats} repeats after {s.warmup} warm-up "
+              f"(as many as fit in {s.budget_s:.0f} s per workload), medians; "
+              f"the default engine is threaded({made.default_workers})")
+        for name, make in make_workloads(mode).items():
+            if not _selected(name, only):
+                continue
+            try:
+                workload = make()
+            except ImportError as exc:
+                figures["skipped_workloads"][name] = (
+                    f"needs hypothesis ({exc}): pip install -e '.[bench]'")
+                print(f"\nskipped {name}: {figures['skipped_workloads'][name]}")
+                continue
+            result = run_workload(workload, made, s)
+            figures["workloads"].append(result)
+            report.print_workload(result)
+        for name in WIDE:
+            if _selected(name, only):
+                measured = next(w for w in figures["workloads"] if w["name"] == name)
+                figures["widths"][name] = run_widths(name, made, s, measured)
+    default = f"threaded({made.default_workers})"
+    if figures["widths"]:
+        report.print_widths(figures["widths"])
+    figures["ratios"] = {w["name"]: report.ratios(w, s.cores, default)
+                         for w in figures["workloads"]}
+    figures["targets"] = report.targets(figures["workloads"], s.cores, default)
+    if figures["targets"]:
+        report.print_targets(figures["targets"])
+    figures["seconds"] = time.perf_counter() - started
+    facts["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    print(f"\n{mode} run took {figures['seconds']:.0f} s; load average at the end "
+          f"{facts['load_average_at_end']}")
+    if args.json:
+        report.write_json(args.json, figures)
+        print(f"wrote {args.json}")
+    if args.plot:
+        try:
+            from benchmarks.plots import plot
+            plot(args.plot, figures)
+        except ImportError as exc:
+            print(f"no plot: needs matplotlib ({exc}): pip install -e '.[bench]'")
+        else:
+            print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

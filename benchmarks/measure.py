@@ -1,0 +1,109 @@
+"""Timing and memory of trials, and the facts of the machine they ran on.
+
+Times are ``time.perf_counter`` around each part of a trial (forward, then backward), a
+garbage collection before each forward; the contenders of a workload take turns within
+each repeat, so that a noisy stretch of time hits them all alike, and the first
+``warmup`` repeats are dropped. Memory is a separate, untimed pass (tracemalloc slows
+Python down): the peak of traced memory during the backward above what was traced when
+it started; tracemalloc sees numpy's arrays, on every thread.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import statistics
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+from benchmarks.workloads import Trial
+
+
+def time_trial(trial: Trial) -> tuple[float, float, np.ndarray]:
+    """One run: (forward seconds, backward seconds, the checked gradient)."""
+    gc.collect()
+    start = time.perf_counter()
+    state = trial.forward()
+    middle = time.perf_counter()
+    grad = trial.backward(state)
+    end = time.perf_counter()
+    return middle - start, end - middle, grad
+
+
+def measure(trials: dict[str, Trial], repeats: int, warmup: int,
+            tick: Callable[[], object] = lambda: None) -> dict[str, dict[str, list[float]]]:
+    """Forward and backward seconds of each trial per kept repeat, trials in turn
+    within each repeat, each repeat starting one trial further along (so that no trial
+    always follows the same one); ``tick`` is called after each run (a progress bar)."""
+    samples: dict[str, dict[str, list[float]]] = {
+        name: {"forward": [], "backward": []} for name in trials}
+    names = list(trials)
+    for repeat in range(warmup + repeats):
+        shift = repeat % len(names)
+        for name in names[shift:] + names[:shift]:
+            forward, backward, _ = time_trial(trials[name])
+            if repeat >= warmup:
+                samples[name]["forward"].append(forward)
+                samples[name]["backward"].append(backward)
+            tick()
+    return samples
+
+
+def peak_backward_bytes(trial: Trial, repeats: int) -> int:
+    """The largest peak of memory allocated during the backward, above what was
+    allocated when it started, over ``repeats`` untimed runs."""
+    peaks = []
+    for _ in range(repeats):
+        gc.collect()
+        tracemalloc.start()
+        try:
+            state = trial.forward()
+            gc.collect()
+            base, _ = tracemalloc.get_traced_memory()
+            tracemalloc.reset_peak()
+            grad = trial.backward(state)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        del state, grad
+        peaks.append(peak - base)
+    return max(peaks)
+
+
+def summary(values: Iterable[float]) -> dict[str, Any]:
+    """Median and spread of some seconds: min, max, quartiles, and the samples."""
+    data = sorted(values)
+    quartiles = statistics.quantiles(data, n=4) if len(data) > 1 else [data[0]] * 3
+    return {"median_s": statistics.median(data), "min_s": data[0], "max_s": data[-1],
+            "q1_s": quartiles[0], "q3_s": quartiles[2], "samples_s": data}
+
+
+def machine_facts() -> dict[str, Any]:
+    """Cores, Python, numpy and its BLAS, and every thread setting that moves the
+    figures."""
+    from threadpoolctl import threadpool_info
+
+    from pargrad.engine.threaded import default_workers
+    facts: dict[str, Any] = {
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+        else os.cpu_count(),
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+        "python": f"{platform.python_implementation()} {platform.python_version()}",
+        "gil_enabled": getattr(sys, "_is_gil_enabled", lambda: True)(),
+        "platform": platform.platform(),
+        "numpy": np.__version__,
+        "blas": [{key: pool.get(key) for key in
+                  ("internal_api", "version", "architecture", "threading_layer",
+                   "num_threads")} for pool in threadpool_info()],
+        "pargrad_default_workers": default_workers(),
+    }
+    for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+                 "OPENBLAS_THREAD_TIMEOUT", "PARGRAD_ENGINE"):
+        facts[name] = os.environ.get(name)
+    return facts

@@ -1,0 +1,105 @@
+"""The peers: what a user would pick instead of pargrad, on the same graphs.
+
+- ``torch``: PyTorch's CPU autograd (``loss.backward()``), with ``torch.set_num_threads``
+  at the thread count the suite gives it (the cores: what numpy's BLAS and pargrad's
+  default engine use). PyTorch runs the CPU nodes of one backward one at a time on the
+  calling thread; its kernels use its own intra-op threads.
+- ``hips``: HIPS autograd (``autograd.grad``), which records the forward inside
+  ``grad``: its trials are *fused* (forward and backward timed together).
+
+Both build the workload's own ``graph(ops, leaves)`` from the workload's own arrays
+(``torch.from_numpy`` shares their memory), so the graphs are the same op for op.
+Install them with ``pip install -e '.[peers]'``; ``load`` says why any is skipped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from benchmarks.workloads import Ops, Trial, Workload
+
+PEERS = ("torch", "hips")
+
+
+def load(threads: int) -> tuple[dict[str, Any], dict[str, str]]:
+    """The peers that import, and a reason for each one skipped."""
+    found: dict[str, Any] = {}
+    skipped: dict[str, str] = {}
+    try:
+        import torch
+    except ImportError as exc:
+        skipped["torch"] = f"not installed ({exc}); pip install -e '.[peers]'"
+    else:
+        torch.set_num_threads(threads)
+        found["torch"] = torch
+    try:
+        import autograd
+        import autograd.numpy
+        import autograd.scipy.special
+    except ImportError as exc:
+        skipped["hips"] = f"not installed ({exc}); pip install -e '.[peers]'"
+    else:
+        found["hips"] = autograd
+    return found, skipped
+
+
+def versions(found: dict[str, Any]) -> dict[str, Any]:
+    """Versions and thread settings of the peers found, for the machine facts."""
+    facts: dict[str, Any] = {}
+    if "torch" in found:
+        torch = found["torch"]
+        facts["torch"] = {"version": torch.__version__, "threads": torch.get_num_threads(),
+                          "interop_threads": torch.get_num_interop_threads(),
+                          "blas": _torch_blas(torch)}
+    if "hips" in found:
+        from importlib.metadata import version
+        facts["hips_autograd"] = {"version": version("autograd")}
+    return facts
+
+
+def _torch_blas(torch: Any) -> str:
+    config = torch.__config__.show()
+    for line in config.splitlines():
+        if "BLAS_INFO=" in line:
+            return line.split("BLAS_INFO=")[1].split(",")[0]
+    return "unknown"
+
+
+def trial(peer: str, module: Any, workload: Workload) -> Trial | str:
+    """``workload`` on ``peer``, or the reason it cannot run there."""
+    if not workload.portable:
+        return "its graph is built by the test suite's recipe in pargrad ops only"
+    if peer == "torch":
+        return _torch_trial(module, workload)
+    return _hips_trial(module, workload)
+
+
+def _torch_trial(torch: Any, workload: Workload) -> Trial:
+    ops = Ops(const=torch.from_numpy, tanh=torch.tanh, relu=torch.relu, sum=torch.sum,
+              mean=torch.mean, log_softmax=lambda x, axis: torch.log_softmax(x, dim=axis))
+    leaves = [torch.from_numpy(a).requires_grad_() for a in workload.arrays]
+
+    def forward() -> Any:
+        for leaf in leaves:
+            leaf.grad = None
+        return workload.graph(ops, leaves)
+
+    def backward(loss: Any) -> np.ndarray:
+        loss.backward()
+        return leaves[0].grad.numpy()
+    return Trial(forward, backward)
+
+
+def _hips_trial(autograd: Any, workload: Workload) -> Trial:
+    anp = autograd.numpy
+    logsumexp = autograd.scipy.special.logsumexp
+    ops = Ops(const=lambda a: a, tanh=anp.tanh, relu=lambda x: anp.maximum(x, 0.0),
+              sum=anp.sum, mean=anp.mean,
+              log_softmax=lambda x, axis: x - logsumexp(x, axis=axis, keepdims=True))
+    gradient = autograd.grad(lambda leaves: workload.graph(ops, leaves))
+
+    def backward(_: Any) -> np.ndarray:
+        return np.asarray(gradient(list(workload.arrays))[0])
+    return Trial(lambda: None, backward, fused=True)

@@ -1,0 +1,171 @@
+"""The figures of a suite run turned into ratios, targets, a terminal table and JSON.
+
+Every ratio is of two medians measured in the same run. The targets are those of the
+benchmark issue (docs/performance.md), for this 2-core machine:
+
+- wide-*: threaded(2)'s backward speed-up over the reference >= 0.9 x the ceiling's,
+  where the ceiling's speed-up is the reference's backward over the faster of
+  ``ceiling(c)`` and ``ceiling(c, BLAS 1)`` (c = cores);
+- tiny-chain: every ThreadedEngine contender's backward <= 1.05 x the reference's, and
+  the default engine's backward time per node <= PyTorch's;
+- fan-in, random-dag: every ThreadedEngine contender's backward <= 1.05 x the reference's;
+- mlp-step: the default engine's forward + backward <= 1.15 x PyTorch's, and <= HIPS
+  autograd's (whose trials are forward and backward in one);
+- every workload: every ThreadedEngine contender's peak backward memory <= 1.25 x the
+  reference's.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from benchmarks.suite import SEQUENTIAL, ceiling_names
+
+
+def median(workload: dict[str, Any], contender: str, part: str = "backward") -> float:
+    return float(workload["contenders"][contender][part]["median_s"])
+
+
+def _threaded(workload: dict[str, Any]) -> list[str]:
+    return [name for name, c in workload["contenders"].items()
+            if c["kind"] == "engine" and name != SEQUENTIAL]
+
+
+def ceiling_speedup(workload: dict[str, Any], cores: int) -> float | None:
+    """The reference's backward over the faster ceiling on ``cores`` threads."""
+    _, threads, threads_blas_1 = ceiling_names(cores)
+    present = workload["contenders"]
+    if threads not in present:
+        return None
+    best = min(median(workload, threads), median(workload, threads_blas_1))
+    return median(workload, SEQUENTIAL) / best
+
+
+def ratios(workload: dict[str, Any], cores: int, default: str) -> dict[str, float]:
+    """The ratios of one workload (names say what over what)."""
+    out: dict[str, float] = {}
+    reference = median(workload, SEQUENTIAL)
+    ceiling = ceiling_speedup(workload, cores)
+    if ceiling is not None:
+        out["ceiling speed-up"] = ceiling
+    for name, c in workload["contenders"].items():
+        if name == SEQUENTIAL or c["fused"]:
+            continue
+        speedup = reference / median(workload, name)
+        out[f"{name} speed-up"] = speedup
+        if ceiling is not None and c["kind"] == "engine":
+            out[f"{name} speed-up / ceiling speed-up"] = speedup / ceiling
+    seq_peak = workload["contenders"][SEQUENTIAL]["peak_backward_bytes"]
+    for name in _threaded(workload):
+        peak = workload["contenders"][name]["peak_backward_bytes"]
+        if seq_peak:
+            out[f"{name} peak memory / sequential"] = peak / seq_peak
+    nodes = workload["nodes"]
+    for name in (SEQUENTIAL, default, "torch"):
+        if name in workload["contenders"]:
+            out[f"{name} backward us per node"] = median(workload, name) / nodes * 1e6
+    for peer in ("torch", "hips"):
+        if peer in workload["contenders"]:
+            out[f"{default} forward+backward / {peer}"] = (
+                median(workload, default, "total") / median(workload, peer, "total"))
+    return out
+
+
+def _target(results: list[dict[str, Any]], what: str, value: float | None, limit: float,
+            at_least: bool, measured: str) -> None:
+    holds = None if value is None else value >= limit if at_least else value <= limit
+    results.append({"target": what, "value": value, "sign": ">=" if at_least else "<=",
+                    "limit": limit, "holds": holds, "measured": measured})
+
+
+def targets(workloads: list[dict[str, Any]], cores: int, default: str) -> list[dict[str, Any]]:
+    """Each target of the issue with its measured value (None where it could not be
+    measured: a peer not installed, a contender not run)."""
+    out: list[dict[str, Any]] = []
+    for w in workloads:
+        name, present = w["name"], w["contenders"]
+        reference = median(w, SEQUENTIAL)
+        threaded = _threaded(w)
+        ceiling = ceiling_speedup(w, cores)
+        if name in ("wide-matmul", "wide-elementwise"):
+            value = (reference / median(w, "threaded(2)") / ceiling
+                     if ceiling and "threaded(2)" in present else None)
+            _target(out, f"{name}: threaded(2) speed-up / ceiling speed-up", value, 0.9,
+                    True, "backward")
+        if name == "tiny-chain" or name == "fan-in" or name.startswith("random-dag"):
+            worst = max(threaded, key=lambda t: median(w, t))
+            _target(out, f"{name}: slowest threaded / sequential ({worst})",
+                    median(w, worst) / reference, 1.05, False, "backward")
+        if name == "tiny-chain":
+            value = median(w, default) / median(w, "torch") if "torch" in present else None
+            _target(out, f"{name}: {default} / torch, backward per node", value, 1.0, False,
+                    "backward")
+        if name == "mlp-step":
+            for peer, limit in (("torch", 1.15), ("hips", 1.0)):
+                value = (median(w, default, "total") / median(w, peer, "total")
+                         if peer in present else None)
+                _target(out, f"{name}: {default} / {peer}", value, limit, False,
+                        "forward + backward")
+        seq_peak = present[SEQUENTIAL]["peak_backward_bytes"]
+        if seq_peak:
+            worst = max(threaded, key=lambda t: present[t]["peak_backward_bytes"])
+            _target(out, f"{name}: largest threaded peak memory / sequential ({worst})",
+                    present[worst]["peak_backward_bytes"] / seq_peak, 1.25, False,
+                    "peak backward memory")
+    return out
+
+
+# ----- the terminal -----
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:9.2f}"
+
+
+def print_workload(w: dict[str, Any]) -> None:
+    print(f"\n{w['name']}: {w['description']} ({w['nodes']} nodes, {w['repeats']} repeats)")
+    print(f"  {'contender':<30}{'forward ms':>11}{'backward ms':>12}{'±IQR/2':>8}"
+          f"{'seq/this':>9}{'peak MB':>9}")
+    reference = median(w, SEQUENTIAL)
+    for name, c in w["contenders"].items():
+        back = c["backward"]
+        spread = (back["q3_s"] - back["q1_s"]) / 2 / back["median_s"]  # half the IQR
+        forward = "    fused" if c["fused"] else _ms(c["forward"]["median_s"])
+        backward = f"{c['total']['median_s'] * 1e3:9.2f}*" if c["fused"] else \
+            f"{_ms(back['median_s'])} "
+        ratio = "" if c["fused"] else f"{reference / back['median_s']:9.3f}"
+        peak = c["peak_backward_bytes"]
+        memory = f"{peak / 2**20:9.2f}" if peak is not None else ""
+        print(f"  {name:<30}{forward:>11}{backward:>12}{f'±{spread:.0%}':>8}{ratio:>9}"
+              f"{memory:>9}")
+    if any(c["fused"] for c in w["contenders"].values()):
+        print("  * forward and backward together (the library records the forward inside"
+              " grad)")
+    for peer, reason in w["skipped_peers"].items():
+        print(f"  skipped {peer}: {reason}")
+
+
+def print_targets(results: list[dict[str, Any]]) -> None:
+    print("\ntargets (ratios of medians in this run):")
+    width = max(len(r["target"]) for r in results) + 2
+    for r in results:
+        if r["value"] is None:
+            verdict, value = "not measured", "     -"
+        else:
+            verdict, value = ("holds" if r["holds"] else "FAILS"), f"{r['value']:6.3f}"
+        print(f"  {r['target']:<{width}}{value} (target {r['sign']} {r['limit']})  {verdict}")
+
+
+def print_widths(widths: dict[str, Any]) -> None:
+    for name, rows in widths.items():
+        print(f"\n{name} by graph width: backward speed-up over sequential")
+        columns = [c for c in next(iter(rows.values())) if c != SEQUENTIAL]
+        print(f"  {'width':<8}" + "".join(f"{c:>22}" for c in columns))
+        for width, row in rows.items():
+            reference = row[SEQUENTIAL]["median_s"]
+            print(f"  {width:<8}" + "".join(f"{reference / row[c]['median_s']:>22.3f}"
+                                           for c in columns))
+
+
+def write_json(path: str, figures: dict[str, Any]) -> None:
+    with open(path, "w") as file:
+        json.dump(figures, file, indent=1)

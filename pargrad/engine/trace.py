@@ -1,0 +1,237 @@
+"""Seeing what the threaded engine did: a trace of every node it ran (exported as Chrome
+trace JSON, for Perfetto or chrome://tracing), and its statistics.
+
+- ``ThreadedEngine(trace=True)`` keeps a ``Trace`` of every backward it runs
+  (``engine.trace``); ``with pargrad.profile() as trace:`` records the nodes that any
+  ThreadedEngine runs while the block is open, on any thread.
+- ``engine.statistics()`` returns a ``Statistics``: nodes run per thread, inline and
+  handed off, queue waits, backward calls ended and failed. Always on: counting costs
+  one integer increment per node.
+
+Guarantees: recording is thread-safe without a GIL: each thread appends to lists of its
+own (registered once under a lock) and readers merge them. ``Trace.events()`` and
+``statistics()`` are exact for every backward call that has returned; while one runs
+they may miss its latest nodes. A ThreadedEngine that traces nothing pays one check per
+``_process`` call (a batch of nodes), not per node.
+
+Assumptions: threads are told apart by name in ``Statistics`` (give threads that call
+backward distinct names to see them apart) and by identity in a trace.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+Record = tuple[str, int, str, float, float, bool, int]
+"""What a thread appends per node: ``(node name, sequence_nr, device, start, end,
+handed off, task number)``; the thread is the list's owner."""
+
+
+@dataclass(frozen=True)
+class NodeEvent:
+    """One node run by a ThreadedEngine."""
+
+    node: str  # the node's name, e.g. ``MultiplyBackward``
+    sequence_nr: int
+    thread: str  # the thread that ran it: ``pargrad-cpu-0``, or the caller's name
+    device: str
+    start: float  # ``time.perf_counter()`` seconds
+    end: float
+    handed_off: bool  # taken from a ReadyQueue; False: run by the thread that made it ready
+    task: int  # which backward call (numbered per process, from 1)
+
+
+class Trace:
+    """The nodes run by ThreadedEngines, recorded from any number of threads.
+
+    >>> import pargrad
+    >>> x = pargrad.tensor([1.0, 2.0], requires_grad=True)
+    >>> with pargrad.profile() as trace:
+    ...     (x * x).sum().backward(engine=pargrad.ThreadedEngine(workers=1))
+    >>> [event.node for event in trace.events()]
+    ['SumBackward', 'MultiplyBackward']
+    """
+
+    def __init__(self) -> None:
+        # Guards _threads (each list in it is appended to only by its thread).
+        self._lock = threading.Lock()
+        self._threads: list[tuple[threading.Thread, list[Record]]] = []
+        self._local = threading.local()  # ``records``: this thread's list, once made
+
+    def records(self) -> list[Record]:
+        """This thread's list of records (made and registered on first use)."""
+        mine: list[Record] | None = getattr(self._local, "records", None)
+        if mine is None:
+            mine = self._local.records = []
+            with self._lock:
+                self._threads.append((threading.current_thread(), mine))
+        return mine
+
+    def events(self) -> list[NodeEvent]:
+        """Every node recorded so far, by start time."""
+        with self._lock:
+            threads = [(thread, list(records)) for thread, records in self._threads]
+        events = [NodeEvent(name, seq, thread.name, device, start, end, handed, task)
+                  for thread, records in threads
+                  for name, seq, device, start, end, handed, task in records]
+        return sorted(events, key=lambda e: e.start)
+
+    def clear(self) -> None:
+        """Forget what was recorded (threads recording now may still add to it)."""
+        with self._lock:
+            for _, records in self._threads:
+                records.clear()
+
+    def chrome_trace(self) -> dict[str, Any]:
+        """The events in Chrome's trace event format: one track per thread, one slice
+        per node (its category says inline or handed off), times in microseconds from
+        the first node."""
+        events = self.events()
+        origin = events[0].start if events else 0.0
+        pid = os.getpid()
+        tids: dict[str, int] = {}
+        out: list[dict[str, Any]] = []
+        for e in events:
+            tid = tids.setdefault(e.thread, len(tids) + 1)
+            out.append({"name": e.node, "cat": "handed off" if e.handed_off else "inline",
+                        "ph": "X", "pid": pid, "tid": tid,
+                        "ts": (e.start - origin) * 1e6, "dur": (e.end - e.start) * 1e6,
+                        "args": {"sequence_nr": e.sequence_nr, "device": e.device,
+                                 "task": e.task}})
+        for thread, tid in tids.items():
+            out.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
+                        "args": {"name": thread}})
+        return {"traceEvents": out, "displayTimeUnit": "ms"}
+
+    def save_chrome_trace(self, path: str | os.PathLike[str]) -> None:
+        """Write ``chrome_trace()`` as JSON to ``path`` (open it in ui.perfetto.dev or
+        chrome://tracing)."""
+        with open(path, "w") as file:
+            json.dump(self.chrome_trace(), file)
+
+
+# Guards _profiles: replaced whole (never mutated), so readers need no lock.
+_profiles_lock = threading.Lock()
+_profiles: tuple[Trace, ...] = ()
+
+
+@contextmanager
+def profile() -> Iterator[Trace]:
+    """Record every node that any ThreadedEngine runs while the block is open (backward
+    calls that start inside it; nested and concurrent blocks each get them all).
+
+    >>> import pargrad
+    >>> x = pargrad.tensor([1.0, 2.0], requires_grad=True)
+    >>> with pargrad.profile() as trace:
+    ...     (x * 3).sum().backward()
+    >>> trace.save_chrome_trace("/dev/null")  # a file for ui.perfetto.dev
+    """
+    global _profiles
+    trace = Trace()
+    with _profiles_lock:
+        _profiles = (*_profiles, trace)
+    try:
+        yield trace
+    finally:
+        with _profiles_lock:
+            _profiles = tuple(p for p in _profiles if p is not trace)
+
+
+def recording(own: Trace | None) -> list[list[Record]] | None:
+    """This thread's record lists of an engine's own trace and the open profiles; None
+    when nothing records (the common case, one check)."""
+    profiles = _profiles
+    if own is None and not profiles:
+        return None
+    traces = profiles if own is None else (own, *profiles)
+    return [t.records() for t in traces]
+
+
+def now() -> float:
+    return time.perf_counter()
+
+
+# Guards _task_counter (``next`` on a shared iterator is atomic only under the GIL).
+_task_lock = threading.Lock()
+_task_counter = itertools.count(1)
+
+
+def next_task_number() -> int:
+    """A number for a new backward call, to tell calls apart in a trace."""
+    with _task_lock:
+        return next(_task_counter)
+
+
+# ----- statistics -----
+@dataclass(frozen=True)
+class Statistics:
+    """What a ThreadedEngine did since it was made (``engine.statistics()``)."""
+
+    nodes_per_thread: Mapping[str, int]  # nodes run, by thread name
+    inline: int  # run by the thread that made them ready (or by the caller)
+    handed_off: int  # taken from a ReadyQueue
+    queue_waits: int  # times a thread found its ReadyQueue empty and blocked
+    graph_tasks_completed: int  # backward calls that returned or raised
+    errors: int  # backward calls that raised
+
+    @property
+    def nodes(self) -> int:
+        return sum(self.nodes_per_thread.values())
+
+
+class ThreadCounts:
+    """One thread's counts for one engine; only that thread writes them."""
+
+    __slots__ = ("handed_off", "nodes", "thread")
+
+    def __init__(self, thread: str) -> None:
+        self.thread = thread
+        self.nodes = 0
+        self.handed_off = 0
+
+
+class Counters:
+    """An engine's counts: per thread (merged on read), and per backward call."""
+
+    def __init__(self) -> None:
+        # Guards _threads, _tasks and _errors.
+        self._lock = threading.Lock()
+        self._threads: list[ThreadCounts] = []
+        self._tasks = 0
+        self._errors = 0
+        self._local = threading.local()  # ``counts``: this thread's ThreadCounts
+
+    def mine(self) -> ThreadCounts:
+        """This thread's counts (made and registered on first use)."""
+        counts: ThreadCounts | None = getattr(self._local, "counts", None)
+        if counts is None:
+            counts = self._local.counts = ThreadCounts(threading.current_thread().name)
+            with self._lock:
+                self._threads.append(counts)
+        return counts
+
+    def task_ended(self, failed: bool) -> None:
+        with self._lock:
+            self._tasks += 1
+            self._errors += failed
+
+    def statistics(self, queue_waits: int) -> Statistics:
+        per_thread: dict[str, int] = {}
+        with self._lock:
+            handed = 0
+            for counts in self._threads:
+                per_thread[counts.thread] = per_thread.get(counts.thread, 0) + counts.nodes
+                handed += counts.handed_off
+            tasks, errors = self._tasks, self._errors
+        nodes = sum(per_thread.values())
+        return Statistics(MappingProxyType(per_thread), nodes - handed, handed, queue_waits,
+                          tasks, errors)
