@@ -28,7 +28,7 @@ from pargrad.engine import (
     use_engine,
 )
 from pargrad.engine.trace import profile
-from pargrad.function import Function, FunctionCtx
+from pargrad.function import Function, FunctionCtx, once_differentiable
 from pargrad.grad_mode import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 from pargrad.gradcheck import GradcheckError, gradcheck, gradgradcheck
 from pargrad.graph import AccumulateGrad, BackwardError, Node
@@ -85,8 +85,8 @@ __all__ = [
     "get_default_engine", "grad", "gradcheck", "gradgradcheck", "is_anomaly_check_nan_enabled",
     "is_anomaly_enabled", "is_grad_enabled", "log", "log_softmax", "logsumexp",
     "matmul", "max", "maximum", "mean", "min", "minimum", "multiply", "negative", "no_grad",
-    "power", "profile", "relu", "reshape", "set_default_engine", "set_detect_anomaly",
-    "set_grad_enabled", "sigmoid", "sin", "softmax", "split", "sqrt", "squeeze", "stack",
-    "subtract", "sum", "swapaxes", "tanh", "tensor", "to", "transpose", "use_engine", "viz",
-    "where",
+    "once_differentiable", "power", "profile", "relu", "reshape", "set_default_engine",
+    "set_detect_anomaly", "set_grad_enabled", "sigmoid", "sin", "softmax", "split", "sqrt",
+    "squeeze", "stack", "subtract", "sum", "swapaxes", "tanh", "tensor", "to", "transpose",
+    "use_engine", "viz", "where",
 ]

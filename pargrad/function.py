@@ -21,18 +21,21 @@ tensor(12., dtype=float64)
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from pargrad.devices import Device, common_device
 from pargrad.grad_mode import is_grad_enabled, no_grad
-from pargrad.graph import Grad, Node
+from pargrad.graph import BackwardError, Grad, Node
 from pargrad.tensor import Tensor, check_saved_data, input_edges
+from pargrad.versions import Saved, check, record
 
 
 class FunctionCtx:
-    """What ``forward`` leaves for ``backward``.
+    """What ``forward`` leaves for ``backward``, and what it says about its outputs.
 
     Attributes:
         needs_input_grad: one bool per positional argument of ``apply``: whether that
@@ -43,9 +46,18 @@ class FunctionCtx:
         self.needs_input_grad = needs_input_grad
         self._saved: tuple[Any, ...] | None = ()
         self._saved_arrays: tuple[Any, ...] = ()
+        self._versions: tuple[Saved, ...] = ()  # recorded by apply, after forward
+        self._dirty: tuple[Tensor, ...] = ()
+        self._non_differentiable: tuple[Any, ...] = ()
+        self._materialize_grads = True
+        self._node_name = ""
 
     def save_for_backward(self, *tensors: Any) -> None:
-        """Keep tensors (or arrays) for backward; read them back with ``saved_tensors``."""
+        """Keep tensors (or arrays) for backward; read them back with ``saved_tensors``.
+
+        Their versions are recorded when ``forward`` returns; changing one in place
+        before the backward makes ``saved_tensors`` raise.
+        """
         self._saved = tensors
         self._saved_arrays = tuple(t.data if isinstance(t, Tensor) else None for t in tensors)
 
@@ -54,7 +66,8 @@ class FunctionCtx:
         """What ``save_for_backward`` kept.
 
         Raises RuntimeError if they were freed by a backward without ``retain_graph``,
-        or if a saved tensor was given new ``.data`` since it was saved.
+        if a saved tensor was given new ``.data`` since it was saved, or (a
+        ``BackwardError`` naming the node) if one was changed in place since.
         """
         if self._saved is None:
             raise RuntimeError(
@@ -62,7 +75,61 @@ class FunctionCtx:
                 "to backward through this graph more than once"
             )
         check_saved_data(self._saved, self._saved_arrays, "saved tensor")
+        check(self._node_name, self._versions)
         return self._saved
+
+    def mark_dirty(self, *tensors: Tensor) -> None:
+        """Declare input Tensors that ``forward`` changed in place (and returns).
+
+        Each one's version is bumped, and where a graph is recorded it takes this
+        Function's node as its history, as after ``x.add_(y)``. A leaf that requires
+        grad, or a view, cannot be marked while recording (``apply`` raises).
+        """
+        self._dirty = tensors
+
+    def mark_non_differentiable(self, *outputs: Any) -> None:
+        """Declare outputs (the Tensors or arrays ``forward`` returns) that get no
+        gradient: they do not require grad, and ``backward`` receives zeros for them
+        (None with ``set_materialize_grads(False)``)."""
+        self._non_differentiable = outputs
+
+    def set_materialize_grads(self, value: bool) -> None:
+        """With False, ``backward`` receives None instead of zeros for outputs that got
+        no gradient (default True)."""
+        self._materialize_grads = bool(value)
+
+
+def once_differentiable(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate a ``Function.backward`` that cannot itself be differentiated.
+
+    It runs with grad mode off even under ``create_graph=True``; the gradients it
+    returns then carry a node that raises ``BackwardError`` if a later backward tries to
+    differentiate through them (as PyTorch's ``once_differentiable``).
+
+    >>> import pargrad
+    >>> class Square(pargrad.Function):
+    ...     @staticmethod
+    ...     def forward(ctx, x):
+    ...         ctx.save_for_backward(x)
+    ...         return x.data ** 2
+    ...     @staticmethod
+    ...     @pargrad.once_differentiable
+    ...     def backward(ctx, g):
+    ...         (x,) = ctx.saved_tensors
+    ...         return 2 * x.data * g.data
+    >>> x = pargrad.tensor(3.0, requires_grad=True)
+    >>> Square.apply(x).backward()
+    >>> x.grad
+    tensor(6., dtype=float64)
+    """
+
+    @functools.wraps(backward)
+    def wrapper(ctx: FunctionCtx, *grads: Any) -> Any:
+        with no_grad():
+            return backward(ctx, *grads)
+
+    wrapper.once_differentiable = True  # type: ignore[attr-defined]
+    return wrapper
 
 
 class Function:
@@ -72,6 +139,12 @@ class Function:
     as given (Tensors stay Tensors); it returns an array or Tensor, or a tuple of them
     for several outputs. ``backward(ctx, *grads)`` receives one Tensor per output and
     returns one gradient (Tensor, array or None) per positional argument of ``apply``.
+
+    As in PyTorch: an output that shares memory with an input (the input returned
+    unchanged, or a view of its data) is a view of it: it shares the input's version
+    counter and cannot be changed in place while a graph is recorded. See also
+    ``FunctionCtx.mark_dirty``, ``mark_non_differentiable``, ``set_materialize_grads``
+    and ``once_differentiable``.
     """
 
     @staticmethod
@@ -93,26 +166,67 @@ class Function:
                 )
         needs = tuple(isinstance(a, Tensor) and a.requires_grad for a in args)
         ctx = FunctionCtx(needs)
+        ctx._node_name = f"{cls.__name__}Backward"
         with no_grad():
             result = cls.forward(ctx, *args, **kwargs)
         several = isinstance(result, tuple)
-        arrays = [np.asarray(r.data if isinstance(r, Tensor) else r)
-                  for r in (result if several else (result,))]
+        results = result if several else (result,)
+        arrays = [np.asarray(r.data if isinstance(r, Tensor) else r) for r in results]
         on = common_device(args, f"{cls.__name__}.apply")
+        records = is_grad_enabled() and any(needs)
+        _check_dirty(cls.__name__, ctx._dirty, args, results, records)
         node: Node | None = None
-        if is_grad_enabled() and any(needs):
+        if records:
             node = FunctionNode(cls, ctx, args, arrays, on)
-        outputs = tuple(
-            Tensor._make(a, node if a.dtype.kind == "f" else None, i, on)
-            for i, a in enumerate(arrays)
-        )
+        outputs = tuple(_output(ctx, node, i, r, a, args, on)
+                        for i, (r, a) in enumerate(zip(results, arrays)))
+        ctx._versions = record("saved tensor", ctx._saved or ())
         return outputs if several else outputs[0]
+
+
+def _check_dirty(name: str, dirty: tuple[Tensor, ...], args: tuple[Any, ...],
+                 results: tuple[Any, ...], records: bool) -> None:
+    from pargrad.ops.inplace import check_recordable
+
+    for t in dirty:
+        if not any(t is a for a in args):
+            raise ValueError(f"{name}.forward: mark_dirty takes input Tensors only, got "
+                             f"{type(t).__name__}")
+        if not any(t is r for r in results):
+            raise RuntimeError(f"{name}.forward: a tensor marked dirty must be returned as "
+                               f"an output (return the input itself)")
+        if records:
+            check_recordable(t, f"{name}.forward (mark_dirty)")
+
+
+def _output(ctx: FunctionCtx, node: Node | None, i: int, result: Any, array: np.ndarray,
+            args: tuple[Any, ...], on: Device) -> Tensor:
+    """Output ``i`` of ``Function.apply``: ``result`` as ``forward`` returned it."""
+    from pargrad.ops.inplace import rebase
+
+    differentiable = (node is not None and array.dtype.kind == "f"
+                      and not any(result is n for n in ctx._non_differentiable))
+    if any(result is t for t in ctx._dirty):  # changed in place: the input itself
+        result._counter.bump()
+        if differentiable:
+            rebase(result, node, i)
+        return result
+    out = Tensor._make(array, node if differentiable else None, i, on)
+    if isinstance(result, Tensor):  # an input returned unchanged, or a Tensor forward made
+        out._counter = result._counter
+        out._is_view = any(result is a for a in args)
+        return out
+    for a in args:
+        if isinstance(a, Tensor) and np.may_share_memory(array, a.data):
+            out._counter, out._is_view = a._counter, True
+            break
+    return out
 
 
 class FunctionNode(Node):
     """The backward node of one ``Function.apply`` call."""
 
-    __slots__ = ("ctx", "function")
+    __slots__ = ("ctx", "function", "materialize_grads")
 
     def __init__(
         self, function: type[Function], ctx: FunctionCtx, args: tuple[Any, ...],
@@ -122,6 +236,7 @@ class FunctionNode(Node):
         super().__init__(edges, metas, tuple((o.shape, o.dtype) for o in outputs), device)
         self.function = function
         self.ctx = ctx
+        self.materialize_grads = ctx._materialize_grads
 
     def name(self) -> str:
         return f"{self.function.__name__}Backward"
@@ -132,9 +247,42 @@ class FunctionNode(Node):
         return had_saved
 
     def backward(self, grads: tuple[Grad, ...]) -> list[Grad | None]:
-        wrapped = [g if isinstance(g, Tensor) else Tensor._make(np.asarray(g), device=self.device)
-                   for g in grads]
-        result = self.function.backward(self.ctx, *wrapped)
+        wrapped = [g if g is None or isinstance(g, Tensor)
+                   else Tensor._make(np.asarray(g), device=self.device) for g in grads]
+        backward = self.function.backward
+        result = backward(self.ctx, *wrapped)
         results = tuple(result) if isinstance(result, (tuple, list)) else (result,)
-        keep_tensors = is_grad_enabled()
-        return [r.data if isinstance(r, Tensor) and not keep_tensors else r for r in results]
+        if not is_grad_enabled():
+            return [r.data if isinstance(r, Tensor) else r for r in results]
+        if getattr(backward, "once_differentiable", False):
+            return _delayed_error(self, wrapped, results)
+        return list(results)
+
+
+def _delayed_error(node: FunctionNode, grads: list[Any], results: tuple[Any, ...]) -> list[Any]:
+    """``results`` of a once-differentiable backward, recorded as the outputs of a node
+    that refuses to run: it hangs off the Function's inputs and the incoming gradients,
+    so any backward through these gradients reaches it."""
+    edges, metas = input_edges(grads)
+    values = [None if r is None else np.asarray(r.data if isinstance(r, Tensor) else r)
+              for r in results]
+    error = DelayedError(
+        node.name(), node.next_functions + edges, node._input_meta + metas,
+        tuple(((), np.dtype(np.float64)) if v is None else (v.shape, v.dtype) for v in values),
+        node.device,
+    )
+    return [None if v is None else Tensor._make(v, error, i) for i, v in enumerate(values)]
+
+
+class DelayedError(Node):
+    """Stands for the backward of a ``once_differentiable`` backward: raises when run."""
+
+    __slots__ = ("of",)
+
+    def __init__(self, of: str, *graph: Any) -> None:
+        super().__init__(*graph)
+        self.of = of
+
+    def backward(self, grads: tuple[Grad, ...]) -> list[Grad | None]:
+        raise BackwardError(self.name(), f"trying to differentiate the gradients of {self.of}, "
+                                         f"whose backward is marked @once_differentiable")

@@ -81,6 +81,9 @@ class Node:
     # Its backward runs BLAS, which has threads of its own: a parallel engine runs only
     # as many such nodes at once as the cores allow (engine/blas.py).
     calls_blas = False
+    # Whether outputs that got no gradient reach ``backward`` as zeros (else as None);
+    # a Function's ``ctx.set_materialize_grads(False)`` turns it off for its node.
+    materialize_grads = True
 
     def __init__(
         self,
@@ -254,7 +257,7 @@ class Node:
         full = tuple(
             np.zeros(shape, dtype) if g is None else g
             for g, (shape, dtype) in zip(grads, self._output_meta)
-        )
+        ) if self.materialize_grads else tuple(grads)
         hooks = self._hooks
         if hooks is not None and hooks.pre:
             full = self._run_pre_hooks(hooks, full)

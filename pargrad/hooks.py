@@ -67,6 +67,11 @@ class NodeHooks:
         with _lock:
             self.retains = {**self.retains, output_nr: weakref.ref(tensor)}
 
+    def release(self, output_nr: int) -> None:
+        """Undo ``retain`` for ``output_nr``."""
+        with _lock:
+            self.retains = {nr: ref for nr, ref in self.retains.items() if nr != output_nr}
+
     def _remove(self, field: str, hid: int) -> None:
         with _lock:
             if field == "tensor":

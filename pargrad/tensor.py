@@ -17,9 +17,9 @@ import numpy as np
 
 from pargrad.devices import CPU, Device
 from pargrad.devices import device as as_device
-from pargrad.grad_mode import is_grad_enabled
 from pargrad.graph import AccumulateGrad, Edge, Meta, Node
 from pargrad.hooks import Hook, NodeHooks, RemovableHandle
+from pargrad.versions import VersionCounter
 
 if TYPE_CHECKING:
     from pargrad.engine.base import Engine
@@ -56,8 +56,8 @@ class Tensor:
     graph building from several threads are fine.
     """
 
-    __slots__ = ("__weakref__", "_accumulator", "_device", "_grad", "_hooks", "_requires_grad",
-                 "data", "grad_fn", "output_nr")
+    __slots__ = ("__weakref__", "_accumulator", "_counter", "_device", "_grad", "_hooks",
+                 "_is_view", "_requires_grad", "data", "grad_fn", "output_nr")
 
     data: np.ndarray
     grad_fn: Node | None
@@ -65,6 +65,8 @@ class Tensor:
     _grad: Tensor | None  # guarded by grad_lock
     _accumulator: weakref.ref[AccumulateGrad] | None  # guarded by _accumulator_lock
     _hooks: NodeHooks | None  # a leaf's hooks, shared with its accumulator; same lock
+    _counter: VersionCounter  # shared with every tensor viewing the same memory
+    _is_view: bool  # made by a view op (reshape, basic indexing...) from another tensor
 
     def __init__(
         self, data: Any, requires_grad: bool = False, dtype: Any = None, device: Any = None
@@ -80,6 +82,8 @@ class Tensor:
         self._grad = None
         self._accumulator = None
         self._hooks = None
+        self._counter = VersionCounter()
+        self._is_view = False
 
     @classmethod
     def _make(
@@ -101,6 +105,8 @@ class Tensor:
         t._grad = None
         t._accumulator = None
         t._hooks = None
+        t._counter = VersionCounter()
+        t._is_view = False
         return t
 
     # ----- autograd state -----
@@ -162,8 +168,18 @@ class Tensor:
         return self
 
     def detach(self) -> Tensor:
-        """A new leaf sharing this tensor's data (and device), cut off from the graph."""
-        return Tensor._make(self.data, device=self._device)
+        """A new leaf sharing this tensor's data, device and version counter, cut off from
+        the graph (an in-place change to either is seen by both, and by the checks of
+        nodes that saved this tensor)."""
+        leaf = Tensor._make(self.data, device=self._device)
+        leaf._counter = self._counter
+        return leaf
+
+    @property
+    def _version(self) -> int:
+        """How many times this tensor's memory was changed in place (as PyTorch's
+        ``Tensor._version``); shared by the tensors that view the same memory."""
+        return self._counter.value
 
     @property
     def device(self) -> Device:
@@ -408,51 +424,65 @@ class Tensor:
     def __rpow__(self, other: Any) -> Tensor:
         return _ops.power(other, self)
 
-    # In-place operators (``w -= lr * g``). With no graph to record they give the tensor
-    # a new array (a graph that saved the old one keeps it intact); where a graph is
-    # being recorded, a non-leaf is rebound to an out-of-place result, and a leaf that
-    # requires grad refuses, as in PyTorch.
+    # In-place operators (``w -= lr * g``) and methods (``w.sub_(lr * g)``) write into
+    # the tensor's memory and bump its version; see pargrad/ops/inplace.py.
     def __iadd__(self, other: Any) -> Tensor:
-        return self._inplace(np.add, _ops.add, other)
+        return _inplace.update(self, "add_", _ops.add, other)
 
     def __isub__(self, other: Any) -> Tensor:
-        return self._inplace(np.subtract, _ops.subtract, other)
+        return _inplace.update(self, "sub_", _ops.subtract, other)
 
     def __imul__(self, other: Any) -> Tensor:
-        return self._inplace(np.multiply, _ops.multiply, other)
+        return _inplace.update(self, "mul_", _ops.multiply, other)
 
     def __itruediv__(self, other: Any) -> Tensor:
-        return self._inplace(np.divide, _ops.divide, other)
+        return _inplace.update(self, "div_", _ops.divide, other)
 
     def __ipow__(self, other: Any) -> Tensor:
-        return self._inplace(np.power, _ops.power, other)
+        return _inplace.update(self, "pow_", _ops.power, other)
 
     def __imatmul__(self, other: Any) -> Tensor:
-        return self._inplace(np.matmul, _ops.matmul, other)
+        return _inplace.update(self, "matmul_", _ops.matmul, other)
 
-    def _inplace(self, ufunc: np.ufunc, op: Any, other: Any) -> Tensor:
-        other_needs_grad = isinstance(other, Tensor) and other.requires_grad
-        if is_grad_enabled() and (self._requires_grad or other_needs_grad):
-            if self.is_leaf and self._requires_grad:
-                raise RuntimeError(
-                    f"{ufunc.__name__}: a leaf tensor that requires grad cannot be changed "
-                    f"in place while grad mode is on; update it under pargrad.no_grad()"
-                )
-            result: Tensor = op(self, other)
-            return result
-        value = ufunc(self.data, other.data if isinstance(other, Tensor) else other)
-        if np.shape(value) != self.shape:
-            raise ValueError(
-                f"{ufunc.__name__}: cannot update a tensor of shape {self.shape} in place "
-                f"with a result of shape {np.shape(value)}"
-            )
-        if not np.can_cast(value.dtype, self.dtype, "same_kind"):
-            raise TypeError(
-                f"{ufunc.__name__}: cannot update a {self.dtype} tensor in place with a "
-                f"{value.dtype} result"
-            )
-        self.data = np.asarray(value, dtype=self.dtype)
+    def add_(self, other: Any) -> Tensor:
+        """``self += other`` in place (differentiable; see docs/autograd.md); returns self.
+
+        >>> import pargrad
+        >>> x = pargrad.tensor([1.0, 2.0])
+        >>> x.add_(1.0)
+        tensor([2., 3.], dtype=float64)
+        >>> x._version
+        1
+        """
+        return _inplace.update(self, "add_", _ops.add, other)
+
+    def sub_(self, other: Any) -> Tensor:
+        """``self -= other`` in place; returns self."""
+        return _inplace.update(self, "sub_", _ops.subtract, other)
+
+    def mul_(self, other: Any) -> Tensor:
+        """``self *= other`` in place; returns self."""
+        return _inplace.update(self, "mul_", _ops.multiply, other)
+
+    def div_(self, other: Any) -> Tensor:
+        """``self /= other`` in place; returns self."""
+        return _inplace.update(self, "div_", _ops.divide, other)
+
+    def fill_(self, value: Any) -> Tensor:
+        """Set every element to ``value`` (a number, or a one-element Tensor, which then
+        gets the summed gradient); returns self."""
+        _inplace.setitem(self, Ellipsis, value, "fill_")
         return self
+
+    def zero_(self) -> Tensor:
+        """Set every element to zero; returns self."""
+        _inplace.setitem(self, Ellipsis, 0, "zero_")
+        return self
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        """``self[index] = value`` in place, with numpy's indexing (differentiable in
+        ``value`` and in the rest of ``self``)."""
+        _inplace.setitem(self, index, value, "setitem")
 
     def __matmul__(self, other: Any) -> Tensor:
         return _ops.matmul(self, other)
@@ -648,3 +678,4 @@ def tensor(
 
 # Imported last: the ops build Tensors, and Tensor's operators call the ops.
 from pargrad import ops as _ops  # noqa: E402
+from pargrad.ops import inplace as _inplace  # noqa: E402

@@ -85,12 +85,29 @@ OPS: dict[str, tuple[Callable[..., Any], list[np.ndarray]]] = {
     "split_unused_output": (lambda x: sq(pargrad.split(x, 3, axis=1)[1]), [A23]),
     "getitem_basic": (lambda x: sq(getitem(x, (slice(None), 1))), [A23]),
     "getitem_repeated": (lambda x: sq(getitem(x, np.array([0, 2, 2, 1]))), [V3]),
+    # ----- in-place ops (on a non-leaf copy; pargrad/ops/inplace.py) -----
+    "setitem": (lambda x, v: sq(_put(x * 1.0, (slice(None), 1), v)), [A23, V3[:2]]),
+    "setitem_broadcast_value": (lambda x, v: sq(_put(x * 1.0, np.array([0, 2]), v)),
+                                [V3, np.array(0.7)]),
+    "inplace_add": (lambda x, y: sq((x * 1.0).add_(y)), [A23, V3]),
+    "inplace_sub": (lambda x, y: sq((x * 1.0).sub_(y)), [A23, V3]),
+    "inplace_mul": (lambda x, y: (x * 1.0).mul_(y), [A23, V3]),
+    "inplace_mul_self": (lambda x: (x * 1.0).mul_(x * 1.0), [V3]),
+    "inplace_div": (lambda x, y: (x * 1.0).div_(y), [A23, V3]),
+    "inplace_fill_tensor": (lambda x, v: sq(x * (x * 1.0).fill_(v)), [V3, np.array(0.7)]),
+    "inplace_zero": (lambda x: sq(x + (x * 1.0).zero_()), [V3]),
 }
+
+
+def _put(x: Tensor, index: Any, value: Tensor) -> Tensor:
+    x[index] = value
+    return x
 
 
 def test_every_op_is_in_the_table() -> None:
     exported = {name for name in pargrad.ops.__all__
                 if name not in {"Op", "constant", "defop", "dispatch_function", "dispatch_ufunc"}}
+    exported |= {"setitem", "inplace"}
     covered = {name.split("_")[0] for name in OPS} | {name for name in OPS}
     assert exported <= covered, exported - covered
 

@@ -14,6 +14,7 @@ pargrad's ops through ``__array_ufunc__`` / ``__array_function__``.
 
 from __future__ import annotations
 
+import dis
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,6 +25,7 @@ from pargrad.devices import Device, common_device
 from pargrad.grad_mode import is_grad_enabled
 from pargrad.graph import Grad, Node
 from pargrad.tensor import Tensor, check_saved_data, input_edges
+from pargrad.versions import Saved, check, record
 
 Rule = Callable[..., Any]
 
@@ -58,6 +60,10 @@ class Op:
     ``calls_blas=True`` (matmul) says that the rules run BLAS, which uses threads of its
     own; its nodes tell the engine so (``Node.calls_blas``).
 
+    ``view=True`` (reshape, basic indexing, transpose...) says that the forward may
+    return a view of its first argument's memory: an output that is one shares that
+    tensor's version counter and is marked as a view (pargrad/versions.py).
+
     Calling an op returns a Tensor (``outputs`` returns the tuple of a multi-output op).
     ``doc`` becomes the op's ``__doc__``.
     """
@@ -73,6 +79,7 @@ class Op:
         needs_values: bool = True,
         moves_device: bool = False,
         calls_blas: bool = False,
+        view: bool = False,
         doc: str | None = None,
     ) -> None:
         self.__doc__ = doc or f"The differentiable numpy ``{name}``."
@@ -85,6 +92,9 @@ class Op:
         self.needs_values = needs_values
         self.moves_device = moves_device
         self.node_type = BlasOpNode if calls_blas else OpNode
+        self.view = view
+        # Per rule: whether it reads the output, and which arguments' values it reads.
+        self.reads = tuple(_reads(rule) for rule in self.rules)
 
     def __repr__(self) -> str:
         return f"<pargrad op {self.name}>"
@@ -112,13 +122,38 @@ class Op:
             raise _forward_error(self.name, exc, arrays, params) from exc
         outs = tuple(np.asarray(o) for o in out) if self.multi_output else (np.asarray(out),)
         on = params["device"] if self.moves_device else common_device(operands, self.name)
-        node: Node | None = None
+        node: OpNode | None = None
         if outs[0].dtype.kind == "f" and is_grad_enabled():
             for a in operands:
                 if isinstance(a, Tensor) and a.requires_grad:
                     node = self.node_type(self, operands, params, outs, on)
                     break
-        return tuple(Tensor._make(o, node, i, on) for i, o in enumerate(outs))
+        tensors = tuple(Tensor._make(o, node, i, on) for i, o in enumerate(outs))
+        if self.view and operands and isinstance(operands[0], Tensor):
+            base = operands[0]
+            for t in tensors:
+                if np.may_share_memory(t.data, base.data):
+                    t._counter = base._counter
+                    t._is_view = True
+        if node is not None and self.needs_values and _reads_output(self, node):
+            node.saved_versions += record("output", tensors)
+        return tensors
+
+
+def _reads(rule: Rule) -> tuple[bool, frozenset[int] | None]:
+    """Whether ``rule(g, ans, *args)`` reads ``ans``, and which ``args`` it reads (None:
+    maybe any), from the names its own code loads. Sound, not exact: a name that is
+    loaded counts as read, even for its shape only.
+    """
+    code = getattr(rule, "__code__", None)
+    if code is None or code.co_flags & inspect.CO_VARARGS:
+        return True, None
+    names = code.co_varnames[:code.co_argcount]
+    loaded = set(code.co_cellvars)  # captured by an inner function: count as read
+    for ins in dis.get_instructions(code):
+        if ins.opname.startswith("LOAD_FAST"):
+            loaded.update(ins.argval if isinstance(ins.argval, tuple) else (ins.argval,))
+    return names[1] in loaded, frozenset(i for i, n in enumerate(names[2:]) if n in loaded)
 
 
 def array_of(x: Any) -> Any:
@@ -195,11 +230,14 @@ class OpNode(Node):
 
     Saves the arrays of the arguments and outputs as they were in the forward (or only
     their shapes, for ops that need no values), so replacing a tensor's ``.data`` later
-    does not change its gradient. With ``create_graph`` the rules differentiate through
-    the argument Tensors themselves, which must still hold those arrays.
+    does not change its gradient, and the versions of those tensors, so that changing
+    one in place before the backward is an error (pargrad/versions.py). With
+    ``create_graph`` the rules differentiate through the argument Tensors themselves,
+    which must still hold those arrays.
     """
 
-    __slots__ = ("op", "params", "saved_args", "saved_arrays", "saved_outputs")
+    __slots__ = ("op", "params", "saved_args", "saved_arrays", "saved_outputs",
+                 "saved_versions")
 
     def __init__(
         self, op: Op, args: tuple[Any, ...], params: dict[str, Any], outs: tuple[np.ndarray, ...],
@@ -214,10 +252,16 @@ class OpNode(Node):
         self.op = op
         self.params = params
         arrays = tuple(array_of(a) for a in args)
+        # The versions of the tensors whose values the rules that will run read:
+        # arguments now, outputs (Op.outputs) once their tensors exist.
+        self.saved_versions: tuple[Saved, ...] = ()
         if op.needs_values:
             self.saved_args: tuple[Any, ...] | None = args
             self.saved_arrays: tuple[Any, ...] | None = arrays
             self.saved_outputs: tuple[np.ndarray, ...] | None = outs
+            read = _read_by(op, edges)
+            self.saved_versions = record("argument", [a if read is None or i in read else None
+                                                      for i, a in enumerate(args)])
         else:
             self.saved_args = None
             self.saved_arrays = tuple(ShapeOf(a) if isinstance(a, np.ndarray) else a
@@ -231,10 +275,13 @@ class OpNode(Node):
         if not self.op.needs_values:
             return False
         self.saved_args = self.saved_arrays = self.saved_outputs = None
+        self.saved_versions = ()
         return True
 
     def backward(self, grads: tuple[Grad, ...]) -> list[Grad | None]:
         assert self.saved_arrays is not None
+        if self.saved_versions:
+            check(self.name(), self.saved_versions)
         args: tuple[Any, ...] = self.saved_arrays
         outs: tuple[Any, ...] | None = self.saved_outputs
         if self.saved_args is not None and outs is not None and is_grad_enabled():
@@ -251,6 +298,25 @@ class OpNode(Node):
         ]
 
 
+def _read_by(op: Op, edges: Sequence[tuple[Any, int]]) -> frozenset[int] | None:
+    """The arguments whose values the rules for the arguments with edges read."""
+    read: set[int] = set()
+    for i, (next_node, _) in enumerate(edges):
+        if next_node is not None:
+            reads = None if op.argnum_rule is not None else op.reads[i][1]
+            if reads is None:
+                return None
+            read |= reads
+    return frozenset(read)
+
+
+def _reads_output(op: Op, node: Node) -> bool:
+    if op.argnum_rule is not None:
+        return True
+    return any(op.reads[i][0] for i, (next_node, _) in enumerate(node.next_functions)
+               if next_node is not None)
+
+
 class BlasOpNode(OpNode):
     """The backward node of an op whose rules run BLAS (``Op(calls_blas=True)``)."""
 
@@ -262,8 +328,8 @@ def defop(name: str, forward: Callable[..., Any], *rules: Rule, **options: Any) 
     """Define an op from its numpy forward and one gradient rule per positional argument.
 
     An op whose forward is a numpy ufunc also serves that ufunc called on Tensors.
-    Options: ``argnum_rule``, ``multi_output``, ``needs_values``, ``calls_blas``, ``doc``
-    (see ``Op``).
+    Options: ``argnum_rule``, ``multi_output``, ``needs_values``, ``calls_blas``, ``view``,
+    ``doc`` (see ``Op``).
     """
     op = Op(name, forward, rules, **options)
     if isinstance(forward, np.ufunc):

@@ -40,7 +40,7 @@ matmul = defop("matmul", np.matmul, _matmul_lhs, _matmul_rhs, calls_blas=True,
 # ----- axes -----
 _transpose = defop("transpose", lambda x, *, axes: np.transpose(x, axes),
                    lambda g, ans, x, *, axes: np.transpose(g, tuple(np.argsort(axes))),
-                   needs_values=False)
+                   needs_values=False, view=True)
 
 
 @implements(np.transpose)

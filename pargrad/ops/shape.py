@@ -15,15 +15,20 @@ from pargrad.shapes import sum_to
 from pargrad.tensor import Tensor
 
 # Every rule here reads only shapes (needs_values=False): these nodes keep no arrays.
+# Ops marked view=True may return views of their input's memory, as numpy's do.
 # ----- reshaping -----
 _reshape = defop("reshape", lambda x, *, shape: np.reshape(x, shape),
-                 lambda g, ans, x, *, shape: np.reshape(g, x.shape), needs_values=False)
+                 lambda g, ans, x, *, shape: np.reshape(g, x.shape), needs_values=False,
+                 view=True)
 _squeeze = defop("squeeze", lambda x, *, axis: np.squeeze(x, axis),
-                 lambda g, ans, x, *, axis: np.reshape(g, x.shape), needs_values=False)
+                 lambda g, ans, x, *, axis: np.reshape(g, x.shape), needs_values=False,
+                 view=True)
 _expand_dims = defop("expand_dims", lambda x, *, axis: np.expand_dims(x, axis),
-                     lambda g, ans, x, *, axis: np.reshape(g, x.shape), needs_values=False)
+                     lambda g, ans, x, *, axis: np.reshape(g, x.shape), needs_values=False,
+                     view=True)
 _broadcast_to = defop("broadcast_to", lambda x, *, shape: np.broadcast_to(x, shape),
-                      lambda g, ans, x, *, shape: sum_to(g, x.shape), needs_values=False)
+                      lambda g, ans, x, *, shape: sum_to(g, x.shape), needs_values=False,
+                      view=True)
 
 
 def _ints(value: Any) -> tuple[int, ...]:
@@ -72,7 +77,7 @@ _stack = defop("stack", lambda *xs, axis: np.stack(xs, axis=axis),
                needs_values=False)
 _split = defop("split", lambda x, *, sections, axis: np.split(x, sections, axis=axis),
                lambda gs, ans, x, *, sections, axis: np.concatenate(gs, axis=axis),
-               multi_output=True, needs_values=False)
+               multi_output=True, needs_values=False, view=True)
 
 
 @implements(np.concatenate)
@@ -147,7 +152,7 @@ _getitem = defop("getitem", lambda x, *, index: x[index],
                  lambda g, ans, x, *, index:
                      _untake(g, index=index, shape=x.shape) if isinstance(g, Tensor)
                      else _untake_array(g, index, x.shape),
-                 needs_values=False)
+                 needs_values=False, view=True)
 
 
 def _normalize_index(index: Any) -> tuple[Any, ...]:
