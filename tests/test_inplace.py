@@ -1,0 +1,367 @@
+"""In-place operations and version counters (pargrad/ops/inplace.py, pargrad/versions.py):
+values and gradients against the out-of-place equivalents on every engine, the errors
+for changed saved tensors, leaves and views, and in-place graphs on many threads."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import pargrad
+from pargrad import Tensor
+
+X = np.array([0.5, -1.5, 2.0, 0.25])
+Y = np.array([1.5, 0.5, -2.0, 4.0])
+
+
+def leaves() -> tuple[Tensor, Tensor]:
+    return pargrad.tensor(X, requires_grad=True), pargrad.tensor(Y, requires_grad=True)
+
+
+# name -> (in-place version, out-of-place version), both f(x, y) -> loss.
+def _setitem(x: Tensor, y: Tensor) -> Tensor:
+    h = x * 2.0
+    h[1:3] = y[:2] * y[:2]
+    return (h * h).sum()
+
+
+def _setitem_reference(x: Tensor, y: Tensor) -> Tensor:
+    h = x * 2.0
+    h = pargrad.concatenate([h[:1], y[:2] * y[:2], h[3:]])
+    return (h * h).sum()
+
+
+CASES: dict[str, tuple[Callable[[Tensor, Tensor], Tensor], Callable[[Tensor, Tensor], Tensor]]] = {
+    "add_": (lambda x, y: ((x * x).add_(y) ** 2).sum(), lambda x, y: ((x * x + y) ** 2).sum()),
+    "sub_": (lambda x, y: ((x * x).sub_(y) ** 2).sum(), lambda x, y: ((x * x - y) ** 2).sum()),
+    "mul_": (lambda x, y: (pargrad.exp(x * 1.0) * 1.0).mul_(y).sum(),
+             lambda x, y: (pargrad.exp(x) * y).sum()),
+    "div_": (lambda x, y: ((x * 1.0).div_(y) ** 2).sum(), lambda x, y: ((x / y) ** 2).sum()),
+    "iadd": (lambda x, y: _iadd(x, y), lambda x, y: ((x * 3.0 + y * y) ** 2).sum()),
+    "mul_self": (lambda x, y: (x * y).mul_(x * y).sum(), lambda x, y: ((x * y) ** 2).sum()),
+    "fill_": (lambda x, y: (x * (x * 1.0).fill_(y[0] * 2)).sum(),
+              lambda x, y: (x * (y[0] * 2)).sum()),
+    "zero_": (lambda x, y: ((x * y).zero_() + x * x).sum(), lambda x, y: (x * x).sum()),
+    "setitem": (_setitem, _setitem_reference),
+    "setitem_mask": (lambda x, y: _masked(x, y),
+                     lambda x, y: (pargrad.where(X > 0, y, x) ** 2).sum()),
+    "chain": (lambda x, y: (x * 1.0).add_(y).mul_(y).sub_(x).div_(y).sum(),
+              lambda x, y: (((x + y) * y - x) / y).sum()),
+}
+
+
+def _iadd(x: Tensor, y: Tensor) -> Tensor:
+    h = x * 3.0
+    h += y * y
+    return (h ** 2).sum()
+
+
+def _masked(x: Tensor, y: Tensor) -> Tensor:
+    h = x * 1.0
+    h[X > 0] = y[X > 0]
+    return (h ** 2).sum()
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_in_place_matches_out_of_place(name: str, engine: pargrad.Engine) -> None:
+    in_place, reference = CASES[name]
+    x, y = leaves()
+    loss = in_place(x, y)
+    loss.backward()
+    x2, y2 = leaves()
+    expected = reference(x2, y2)
+    expected.backward(engine=pargrad.SequentialEngine())
+    np.testing.assert_allclose(loss.data, expected.data, rtol=1e-12)
+    for got, want in ((x.grad, x2.grad), (y.grad, y2.grad)):
+        if want is None:
+            assert got is None or not np.any(got.data)
+        else:
+            np.testing.assert_allclose(got.data, want.data, rtol=1e-12, atol=1e-15)
+
+
+def test_in_place_gradients_pass_gradcheck(engine: pargrad.Engine) -> None:
+    for name, (in_place, _) in CASES.items():
+        assert pargrad.gradcheck(in_place, [pargrad.tensor(X, requires_grad=True),
+                                            pargrad.tensor(Y, requires_grad=True)]), name
+
+
+def test_methods_write_into_memory_and_return_self() -> None:
+    x = pargrad.tensor([1.0, 2.0, 3.0])
+    memory = x.data
+    assert x.add_(1.0) is x and x.mul_(2.0) is x and x.sub_(1.0) is x and x.div_(2.0) is x
+    assert x.data is memory and x._version == 4
+    np.testing.assert_array_equal(x.data, [1.5, 2.5, 3.5])
+    assert x.fill_(7.0) is x and x.zero_() is x
+    x[1] = 5.0
+    np.testing.assert_array_equal(memory, [0.0, 5.0, 0.0])
+    assert x._version == 7
+    x += pargrad.tensor([1.0, 1.0, 1.0])
+    x -= 1
+    x *= 3
+    x /= 3
+    x **= 2
+    assert x.data is memory and x._version == 12
+    np.testing.assert_array_equal(x.data, [0.0, 25.0, 0.0])
+
+
+def test_views_share_the_version_counter() -> None:
+    base = pargrad.tensor(np.arange(6.0).reshape(2, 3))
+    views = [base.reshape(6), base[0], base[:, 1:], base.T, pargrad.squeeze(base[None]),
+             pargrad.split(base, 3, axis=1)[1], base.detach()]
+    for v in views:
+        assert v._counter is base._counter
+    copies = [base[[0, 1]], base.copy(), base * 1, base.astype(np.float32)]
+    for c in copies:
+        assert c._counter is not base._counter
+    views[1][0] = 100.0  # through a view: the base sees it, and its version moves on
+    assert base.data[0, 0] == 100.0 and base._version == 1
+    base.add_(1)
+    assert all(v._version == 2 for v in views) and all(c._version == 0 for c in copies)
+
+
+def test_changed_saved_tensor_raises_and_changes_no_grad(engine: pargrad.Engine) -> None:
+    w = pargrad.tensor([1.0, 2.0], requires_grad=True)
+    w.grad = pargrad.tensor([10.0, 10.0])
+    h = pargrad.exp(w)  # ExpBackward saves its output
+    loss = (h * 2.0).sum()
+    with pargrad.no_grad():
+        h.add_(1)
+    with pytest.raises(pargrad.BackwardError) as info:
+        loss.backward()
+    message = str(info.value)
+    assert info.value.node_name == "ExpBackward"
+    assert ("output 0 (shape (2,), dtype float64) is at version 1, but was saved at "
+            "version 0") in message
+    np.testing.assert_array_equal(w.grad.data, [10.0, 10.0])
+
+
+def test_changed_leaf_raises_where_its_value_is_read(engine: pargrad.Engine) -> None:
+    w = pargrad.tensor([1.0, 2.0], requires_grad=True)
+    x = pargrad.tensor([3.0, 4.0], requires_grad=True)
+    loss = (w * x).sum()
+    harmless = (w * 3.0).sum()  # w's gradient reads only 3.0
+    with pargrad.no_grad():
+        w -= 0.5
+    harmless.backward()
+    np.testing.assert_array_equal(w.grad.data, [3.0, 3.0])
+    with pytest.raises(pargrad.BackwardError,
+                       match=r"MultiplyBackward: .*argument 0 \(shape \(2,\), dtype float64\) "
+                             r"is at version 1, but was saved at version 0"):
+        loss.backward()
+    assert x.grad is None
+
+
+def test_refused_in_place_changes_leave_the_tensor_alone() -> None:
+    w = pargrad.tensor([1.0, 2.0], requires_grad=True)
+    for change in (lambda: w.add_(1), lambda: w.zero_(), lambda: w.__setitem__(0, 1.0),
+                   lambda: w.__imul__(2)):
+        with pytest.raises(RuntimeError, match="leaf tensor that requires grad"):
+            change()
+    h = w * 1.0
+    for view in (w[:1], w.reshape(2, 1), h[:1], h.T):
+        with pytest.raises(RuntimeError, match="view of another tensor's memory"):
+            view.mul_(2)
+    buffer = pargrad.tensor(np.zeros(4))
+    with pytest.raises(RuntimeError, match="view of another tensor's memory"):
+        buffer[1:3].add_(w)  # the buffer would not learn that it depends on w
+    c = pargrad.tensor([1, 2])
+    with pytest.raises(TypeError, match="cannot update a int64 tensor in place"):
+        c.div_(2)
+    with pytest.raises(ValueError, match=r"shape \(2,\) in place with a result of shape \(3, 2\)"):
+        c.add_(np.ones((3, 2), dtype=int))
+    with pytest.raises(ValueError, match="read-only"):
+        pargrad.broadcast_to(pargrad.tensor([1.0]), (3,)).add_(1)
+    with pytest.raises(IndexError, match="setitem: index 5 is out of bounds"):
+        c[5] = 1
+    assert w._version == 0 and c._version == 0 and h._version == 0
+    np.testing.assert_array_equal(w.data, [1.0, 2.0])
+    with pargrad.no_grad():  # outside grad mode all of them are plain writes
+        w.add_(1)
+        w[:1].mul_(10)
+        h.T.zero_()
+    np.testing.assert_array_equal(w.data, [20.0, 3.0])
+    assert w._version == 2 and h._version == 1
+
+
+def test_setitem_into_a_constant_makes_a_non_leaf(engine: pargrad.Engine) -> None:
+    v = pargrad.tensor([2.0, 3.0], requires_grad=True)
+    s = pargrad.tensor(0.5, requires_grad=True)
+    buf = pargrad.tensor(np.zeros((2, 3)))
+    buf[:, 0] = v
+    buf[1, 1:] = s * 2  # broadcast: s gets the sum
+    buf[pargrad.tensor(np.array([0])), 2] = v[1]  # a Tensor index
+    assert buf.requires_grad and not buf.is_leaf and buf.grad_fn.name() == "SetitemBackward"
+    np.testing.assert_array_equal(buf.data, [[2.0, 0.0, 3.0], [3.0, 1.0, 1.0]])
+    (buf * pargrad.tensor(np.arange(6.0).reshape(2, 3))).sum().backward()
+    np.testing.assert_array_equal(v.grad.data, [0.0, 3.0 + 2.0])
+    assert s.grad.item() == 2 * (4.0 + 5.0)
+
+
+def test_overwritten_elements_get_no_gradient(engine: pargrad.Engine) -> None:
+    x = pargrad.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    h = x * 1.0
+    h[1] = 0.0
+    h[0] = h[2] * 2  # reads h before the write, as numpy does
+    h.sum().backward()
+    np.testing.assert_array_equal(x.grad.data, [0.0, 0.0, 3.0])
+
+
+def test_retain_grad_follows_the_rebased_tensor(engine: pargrad.Engine) -> None:
+    x = pargrad.tensor([1.0, 2.0], requires_grad=True)
+    h = x * 2.0
+    h.retain_grad()
+    seen: list[np.ndarray] = []
+    h.register_hook(lambda g: seen.append(g.data.copy()))  # sees the old value's gradient
+    h.mul_(3.0)
+    assert h.retains_grad
+    (h * h).sum().backward()
+    np.testing.assert_array_equal(h.grad.data, 2 * h.data)
+    np.testing.assert_array_equal(seen[0], 3 * 2 * h.data)
+
+
+def test_second_derivatives_through_in_place_ops(engine: pargrad.Engine) -> None:
+    x = pargrad.tensor([0.5, 1.5], requires_grad=True)
+    h = x * x
+    h.mul_(x)  # x ** 3
+    h[0] = h[0] * 2.0
+    (g,) = pargrad.grad(h.sum(), x, create_graph=True)
+    np.testing.assert_allclose(g.data, [2 * 3 * 0.25, 3 * 2.25])
+    (gg,) = pargrad.grad(g.sum(), x)
+    np.testing.assert_allclose(gg.data, [2 * 6 * 0.5, 6 * 1.5])
+    assert pargrad.gradgradcheck(lambda t: (t * 1.0).mul_(t).div_(t + 3.0),
+                                 [pargrad.tensor([0.3, -0.7], requires_grad=True)])
+
+
+def test_changing_a_tensor_while_a_function_saved_it() -> None:
+    class Twice(pargrad.Function):
+        @staticmethod
+        def forward(ctx: pargrad.FunctionCtx, x: Tensor) -> np.ndarray:
+            ctx.save_for_backward(x)
+            return x.data * 2
+
+        @staticmethod
+        def backward(ctx: pargrad.FunctionCtx, g: Tensor) -> Tensor:
+            ctx.saved_tensors  # noqa: B018 - reading them runs the version check
+            return g * 2
+
+    w = pargrad.tensor([1.0], requires_grad=True)
+    h = w * 1.0
+    y = Twice.apply(h)
+    h.add_(1)
+    with pytest.raises(pargrad.BackwardError,
+                       match=r"TwiceBackward: .*saved tensor 0 .* at version 1, but was saved "
+                             r"at version 0"):
+        y.backward()
+    assert w.grad is None
+
+
+def test_post_accumulate_hooks_may_step_in_place(engine: pargrad.Engine) -> None:
+    """Optimizer in backward: a leaf's last reader has run when its hook fires, so the
+    in-place step never trips a version check of the same backward."""
+    rng = np.random.default_rng(3)
+    x = pargrad.tensor(rng.normal(size=(8, 4)))
+    params = [pargrad.tensor(rng.normal(size=(4, 4)), requires_grad=True) for _ in range(3)]
+    memories = [p.data for p in params]
+
+    def step(p: Tensor) -> None:
+        with pargrad.no_grad():
+            p.sub_(0.1 * p.grad)
+        p.grad = None
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(step)
+    for _ in range(3):
+        h = x
+        for p in params:
+            h = pargrad.tanh(h @ p)
+        h.sum().backward()
+    assert all(p.data is m and p._version == 3 for p, m in zip(params, memories))
+
+
+@pytest.mark.timeout(60)
+def test_in_place_graphs_on_many_threads() -> None:
+    """Threads build graphs with in-place ops on their own tensors and run them on one
+    threaded engine; one of them changes a saved tensor and gets the error."""
+    engine = pargrad.ThreadedEngine(workers=4, handoff_threshold=2)
+    errors: list[BaseException] = []
+    results: dict[int, np.ndarray] = {}
+    barrier = threading.Barrier(6)
+
+    def work(k: int) -> None:
+        try:
+            barrier.wait()
+            for _ in range(20):
+                x = pargrad.tensor(X + k, requires_grad=True)
+                y = pargrad.tensor(Y, requires_grad=True)
+                loss = CASES["chain"][0](x, y) + _setitem(x, y)
+                if k == 5:
+                    h = pargrad.tanh(x)
+                    loss = loss + h.sum()
+                    with pargrad.no_grad():
+                        h.mul_(2)
+                    with pytest.raises(pargrad.BackwardError, match="TanhBackward"):
+                        loss.backward(engine=engine)
+                    assert x.grad is None
+                    continue
+                loss.backward(engine=engine)
+                results[k] = x.grad.data
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    engine.shutdown()
+    assert not errors, errors
+    for k, got in results.items():
+        x = pargrad.tensor(X + k, requires_grad=True)
+        y = pargrad.tensor(Y, requires_grad=True)
+        (CASES["chain"][1](x, y) + _setitem_reference(x, y)).backward(
+            engine=pargrad.SequentialEngine())
+        np.testing.assert_allclose(got, x.grad.data, rtol=1e-12)
+
+
+OPS = ["add_", "sub_", "mul_", "div_", "setitem", "fill_"]
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 3)), min_size=1,
+                      max_size=8))
+def test_random_in_place_sequences_match_out_of_place(
+    steps: list[tuple[str, int]], engine: pargrad.Engine
+) -> None:
+    """A random sequence of in-place ops on a non-leaf gives the value and gradients of
+    the same sequence written out of place."""
+
+    def run(in_place: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        x, y = leaves()
+        h = x * 1.0
+        for op, i in steps:
+            other = y * float(i + 1)
+            if op == "setitem":
+                if in_place:
+                    h[i] = other[i]
+                else:
+                    h = pargrad.concatenate([h[:i], other[i:i + 1], h[i + 1:]])
+            elif op == "fill_":
+                h = h.fill_(other[i]) if in_place else pargrad.broadcast_to(other[i], (4,)) * 1.0
+            elif in_place:
+                getattr(h, op)(other)
+            else:
+                h = {"add_": h + other, "sub_": h - other, "mul_": h * other,
+                     "div_": h / other}[op]
+        loss = (h * h).sum()
+        loss.backward(engine=engine if in_place else pargrad.SequentialEngine())
+        gx = np.zeros(4) if x.grad is None else x.grad.data
+        gy = np.zeros(4) if y.grad is None else y.grad.data
+        return loss.data, gx, gy
+
+    for got, want in zip(run(True), run(False)):
+        np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
