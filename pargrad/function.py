@@ -46,7 +46,7 @@ class FunctionCtx:
         self.needs_input_grad = needs_input_grad
         self._saved: tuple[Any, ...] | None = ()
         self._saved_arrays: tuple[Any, ...] = ()
-        self._versions: tuple[Saved, ...] = ()  # recorded by apply, after forward
+        self._versions: list[Saved] = []  # recorded by apply, after forward
         self._dirty: tuple[Tensor, ...] = ()
         self._non_differentiable: tuple[Any, ...] = ()
         self._materialize_grads = True

@@ -15,6 +15,7 @@ safe. The check catches every in-place change that happens before the node runs.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from pargrad.graph import BackwardError
 
@@ -31,33 +32,32 @@ class VersionCounter:
         self.value += 1
 
 
-Saved = tuple[str, VersionCounter, int, tuple[int, ...], str]
-"""What ``record`` keeps of one saved tensor: a label (``"argument 1"``), its counter,
-the version it had when saved, and its shape and dtype for the error message."""
+Saved = tuple[str, int, VersionCounter, int, Any]
+"""What a node keeps of one saved tensor: what it is to the node (``"argument"``,
+``"output"``, ``"saved tensor"``) and its index, its counter, the version it had when
+saved, and its array (for the shape and dtype in the error message)."""
 
 
-def record(label: str, tensors: Iterable[object]) -> tuple[Saved, ...]:
-    """The versions of the Tensors among ``tensors`` now, labelled ``"<label> <i>"``."""
+def record(kind: str, tensors: Iterable[object]) -> list[Saved]:
+    """The versions of the Tensors among ``tensors`` now, each labelled by its index."""
     from pargrad.tensor import Tensor
 
-    return tuple(
-        (f"{label} {i}", t._counter, t._counter.value, t.shape, str(t.dtype))
-        for i, t in enumerate(tensors) if isinstance(t, Tensor)
-    )
+    return [(kind, i, t._counter, t._counter.value, t.data)
+            for i, t in enumerate(tensors) if isinstance(t, Tensor)]
 
 
 def check(node_name: str, saved: Iterable[Saved]) -> None:
     """Raise ``BackwardError`` naming ``node_name`` if a saved tensor's version moved on.
 
-    The message names the saved tensor (label, shape, dtype) and both versions.
+    The message names the saved tensor (what it is, its index, shape and dtype) and both
+    versions.
     """
-    for label, counter, version, shape, dtype in saved:
+    for kind, i, counter, version, array in saved:
         if counter.value != version:
             raise BackwardError(
                 node_name,
                 f"one of the tensors saved for its backward was changed by an in-place "
-                f"operation: {label} (shape {shape}, dtype {dtype}) is at version "
-                f"{counter.value}, but was saved at version {version}. Change it only "
-                f"after the backward that needs it, or change a .copy() instead",
+                f"operation: {kind} {i} (shape {array.shape}, dtype {array.dtype}) is at "
+                f"version {counter.value}, but was saved at version {version}. Change it "
+                f"only after the backward that needs it, or change a .copy() instead",
             )
-

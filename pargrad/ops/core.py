@@ -95,12 +95,35 @@ class Op:
         self.view = view
         # Per rule: whether it reads the output, and which arguments' values it reads.
         self.reads = tuple(_reads(rule) for rule in self.rules)
+        self._plans: dict[int, tuple[tuple[int, ...] | None, bool]] = {}
 
     def __repr__(self) -> str:
         return f"<pargrad op {self.name}>"
 
     def has_rule(self, i: int) -> bool:
         return self.argnum_rule is not None or i < len(self.rules)
+
+    def plan(self, live: int) -> tuple[tuple[int, ...] | None, bool]:
+        """For a node whose arguments with edges are the bits of ``live``: the arguments
+        whose values the rules that will run read (None: all), and whether they read the
+        output. Cached per ``live``; a race only computes one twice."""
+        plan = self._plans.get(live)
+        if plan is None:
+            plan = self._plans[live] = self._make_plan(live)
+        return plan
+
+    def _make_plan(self, live: int) -> tuple[tuple[int, ...] | None, bool]:
+        if self.argnum_rule is not None:
+            return None, True
+        read: set[int] = set()
+        output = False
+        for i, (reads_output, reads_args) in enumerate(self.reads):
+            if live >> i & 1:
+                if reads_args is None:
+                    return None, True
+                read |= reads_args
+                output = output or reads_output
+        return tuple(sorted(read)), output
 
     def vjp(self, i: int, g: Any, ans: Any, args: tuple[Any, ...], params: dict[str, Any]) -> Any:
         """The gradient for argument ``i``, by its rule."""
@@ -135,8 +158,8 @@ class Op:
                 if np.may_share_memory(t.data, base.data):
                     t._counter = base._counter
                     t._is_view = True
-        if node is not None and self.needs_values and _reads_output(self, node):
-            node.saved_versions += record("output", tensors)
+        if node is not None and node.reads_output:
+            node.saved_versions.extend(record("output", tensors))
         return tensors
 
 
@@ -236,7 +259,7 @@ class OpNode(Node):
     which must still hold those arrays.
     """
 
-    __slots__ = ("op", "params", "saved_args", "saved_arrays", "saved_outputs",
+    __slots__ = ("op", "params", "reads_output", "saved_args", "saved_arrays", "saved_outputs",
                  "saved_versions")
 
     def __init__(
@@ -244,24 +267,31 @@ class OpNode(Node):
         device: Device,
     ) -> None:
         edges, metas = input_edges(args)
+        live = 0
         for i, (next_node, _) in enumerate(edges):
-            if next_node is not None and not op.has_rule(i):
-                # Fail in the forward, where the call is visible.
-                raise TypeError(f"{op.name}: no gradient rule for argument {i}")
+            if next_node is not None:
+                if not op.has_rule(i):
+                    # Fail in the forward, where the call is visible.
+                    raise TypeError(f"{op.name}: no gradient rule for argument {i}")
+                live |= 1 << i
         super().__init__(edges, metas, tuple((o.shape, o.dtype) for o in outs), device)
         self.op = op
         self.params = params
         arrays = tuple(array_of(a) for a in args)
         # The versions of the tensors whose values the rules that will run read:
         # arguments now, outputs (Op.outputs) once their tensors exist.
-        self.saved_versions: tuple[Saved, ...] = ()
+        self.saved_versions: list[Saved] = []
+        self.reads_output = False
         if op.needs_values:
             self.saved_args: tuple[Any, ...] | None = args
             self.saved_arrays: tuple[Any, ...] | None = arrays
             self.saved_outputs: tuple[np.ndarray, ...] | None = outs
-            read = _read_by(op, edges)
-            self.saved_versions = record("argument", [a if read is None or i in read else None
-                                                      for i, a in enumerate(args)])
+            read, self.reads_output = op.plan(live)
+            for i in range(len(args)) if read is None else read:
+                a = args[i]
+                if isinstance(a, Tensor):
+                    counter = a._counter
+                    self.saved_versions.append(("argument", i, counter, counter.value, a.data))
         else:
             self.saved_args = None
             self.saved_arrays = tuple(ShapeOf(a) if isinstance(a, np.ndarray) else a
@@ -275,7 +305,7 @@ class OpNode(Node):
         if not self.op.needs_values:
             return False
         self.saved_args = self.saved_arrays = self.saved_outputs = None
-        self.saved_versions = ()
+        self.saved_versions = []
         return True
 
     def backward(self, grads: tuple[Grad, ...]) -> list[Grad | None]:
@@ -296,25 +326,6 @@ class OpNode(Node):
             None if next_node is None else self.op.vjp(i, g, ans, args, self.params)
             for i, (next_node, _) in enumerate(self.next_functions)
         ]
-
-
-def _read_by(op: Op, edges: Sequence[tuple[Any, int]]) -> frozenset[int] | None:
-    """The arguments whose values the rules for the arguments with edges read."""
-    read: set[int] = set()
-    for i, (next_node, _) in enumerate(edges):
-        if next_node is not None:
-            reads = None if op.argnum_rule is not None else op.reads[i][1]
-            if reads is None:
-                return None
-            read |= reads
-    return frozenset(read)
-
-
-def _reads_output(op: Op, node: Node) -> bool:
-    if op.argnum_rule is not None:
-        return True
-    return any(op.reads[i][0] for i, (next_node, _) in enumerate(node.next_functions)
-               if next_node is not None)
 
 
 class BlasOpNode(OpNode):
