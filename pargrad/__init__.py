@@ -15,7 +15,7 @@ from pargrad.anomaly import (
     is_anomaly_enabled,
     set_detect_anomaly,
 )
-from pargrad.autograd import backward, grad
+from pargrad.autograd import backward, backward_async, grad, grad_async
 from pargrad.checkpoint import checkpoint
 from pargrad.devices import Device, device
 from pargrad.engine import (
@@ -29,6 +29,7 @@ from pargrad.engine import (
 )
 from pargrad.engine.trace import profile
 from pargrad.function import Function, FunctionCtx
+from pargrad.futures import BackwardFuture
 from pargrad.grad_mode import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 from pargrad.gradcheck import GradcheckError, gradcheck, gradgradcheck
 from pargrad.graph import AccumulateGrad, BackwardError, Node
@@ -88,5 +89,5 @@ __all__ = [
     "power", "profile", "relu", "reshape", "set_default_engine", "set_detect_anomaly",
     "set_grad_enabled", "sigmoid", "sin", "softmax", "split", "sqrt", "squeeze", "stack",
     "subtract", "sum", "swapaxes", "tanh", "tensor", "to", "transpose", "use_engine", "viz",
-    "where",
+    "where", "BackwardFuture", "backward_async", "grad_async",
 ]
