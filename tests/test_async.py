@@ -376,3 +376,16 @@ def test_the_trace_shows_when_each_leaf_was_ready() -> None:
         assert {r.thread for r in ready} <= {e.thread for e in events}
         chrome = engine.trace.chrome_trace()["traceEvents"]
         assert len([e for e in chrome if e["name"] == "ready" and e["ph"] == "i"]) == 2
+
+
+def test_the_guide_runs() -> None:
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "async.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
+    assert len(blocks) == 2
+    namespace: dict[str, Any] = {}
+    for block in blocks:
+        exec(compile(block, "docs/async.md", "exec"), namespace)
+    np.testing.assert_array_equal(namespace["x"].grad.data, [2.0, 4.0, 6.0])
