@@ -3,7 +3,8 @@
 
 Prints the machine's facts, a table per workload (forward and backward medians, their
 spread, the reference's backward over each contender's, the peak backward memory), the
-speed-up against graph width, and the targets with their measured ratios. ``--json``
+speed-up against graph width, the overlap of an asynchronous backward with the rest of a
+training step (``benchmarks/overlap.py``), and the targets with their measured ratios. ``--json``
 saves every figure (each sample); ``--plot`` draws the speed-ups as a PNG (matplotlib).
 Compare figures within one run only: the ratios are what carries over, not the times.
 """
@@ -19,6 +20,8 @@ from typing import Any
 
 from benchmarks import report
 from benchmarks.measure import machine_facts
+from benchmarks.overlap import NAME as OVERLAP
+from benchmarks.overlap import run_overlap
 from benchmarks.peers import versions
 from benchmarks.suite import contenders, run_widths, run_workload, settings
 from benchmarks.workloads import make_workloads
@@ -85,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
             if _selected(name, only):
                 measured = next(w for w in figures["workloads"] if w["name"] == name)
                 figures["widths"][name] = run_widths(name, made, s, measured)
+    if _selected(OVERLAP, only):
+        figures["overlap"] = run_overlap(mode, s.repeats)
+        report.print_overlap(figures["overlap"])
     default = f"threaded({made.default_workers})"
     if figures["widths"]:
         report.print_widths(figures["widths"])

@@ -144,6 +144,15 @@ def print_workload(w: dict[str, Any]) -> None:
         print(f"  skipped {peer}: {reason}")
 
 
+def print_overlap(o: dict[str, Any]) -> None:
+    print(f"\n{o['name']}: {o['description']} ({o['steps']} steps each)")
+    sync, later = o["sync_step"]["median_s"], o["async_step"]["median_s"]
+    print(f"  step median: sync {_ms(sync).strip()} ms, async {_ms(later).strip()} ms; "
+          f"sync / async {o['sync / async']:.3f}")
+    ready = ", ".join(f"{name} {ms:.1f}" for name, ms in o["leaves_ready_ms"].items())
+    print(f"  parameters ready, ms after backward_async: {ready}")
+
+
 def print_targets(results: list[dict[str, Any]]) -> None:
     print("\ntargets (ratios of medians in this run):")
     width = max(len(r["target"]) for r in results) + 2

@@ -15,7 +15,7 @@ from pargrad.anomaly import (
     is_anomaly_enabled,
     set_detect_anomaly,
 )
-from pargrad.autograd import backward, grad
+from pargrad.autograd import backward, backward_async, grad, grad_async
 from pargrad.checkpoint import checkpoint
 from pargrad.devices import Device, device
 from pargrad.engine import (
@@ -29,6 +29,7 @@ from pargrad.engine import (
 )
 from pargrad.engine.trace import profile
 from pargrad.function import Function, FunctionCtx, once_differentiable
+from pargrad.futures import BackwardFuture
 from pargrad.grad_mode import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 from pargrad.gradcheck import GradcheckError, gradcheck, gradgradcheck
 from pargrad.graph import AccumulateGrad, BackwardError, Node
@@ -78,11 +79,11 @@ from pargrad.tensor import Tensor, tensor
 __version__ = "0.1.0"
 
 __all__ = [
-    "AccumulateGrad", "BackwardError", "Device", "Engine", "Function", "FunctionCtx",
+    "AccumulateGrad", "BackwardError", "BackwardFuture", "Device", "Engine", "Function", "FunctionCtx",
     "GradcheckError", "Node", "SequentialEngine", "Tensor", "ThreadedEngine", "abs", "add",
-    "astype", "backward", "broadcast_to", "checkpoint", "clip", "concatenate", "copy", "cos",
+    "astype", "backward", "backward_async", "broadcast_to", "checkpoint", "clip", "concatenate", "copy", "cos",
     "current_engine", "detect_anomaly", "device", "divide", "enable_grad", "exp", "expand_dims",
-    "get_default_engine", "grad", "gradcheck", "gradgradcheck", "is_anomaly_check_nan_enabled",
+    "get_default_engine", "grad", "grad_async", "gradcheck", "gradgradcheck", "is_anomaly_check_nan_enabled",
     "is_anomaly_enabled", "is_grad_enabled", "log", "log_softmax", "logsumexp",
     "matmul", "max", "maximum", "mean", "min", "minimum", "multiply", "negative", "no_grad",
     "once_differentiable", "power", "profile", "relu", "reshape", "set_default_engine",

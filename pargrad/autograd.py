@@ -1,5 +1,6 @@
 """``pargrad.backward`` and ``pargrad.grad``: check the roots, run an engine, hand back
-the gradients (``grad``) or commit them to ``.grad`` (``backward``).
+the gradients (``grad``) or commit them to ``.grad`` (``backward``); ``backward_async``
+and ``grad_async`` do the same behind a future (docs/async.md).
 
 All-or-nothing: leaf gradients are committed to ``.grad`` only after the engine has
 finished the whole graph, so a backward that raises leaves every ``.grad`` as it was.
@@ -18,6 +19,7 @@ import numpy as np
 
 from pargrad.engine.base import Engine, current_engine
 from pargrad.engine.buffer import accumulate
+from pargrad.futures import BackwardFuture
 from pargrad.grad_mode import enable_grad
 from pargrad.graph import AccumulateGrad, Edge, Grad
 from pargrad.ops import copy
@@ -55,29 +57,46 @@ def backward(
     >>> x.grad
     tensor([2., 4., 6.], dtype=float64)
     """
-    roots = _as_tensors(tensors, "backward")
-    grads = _root_grads(roots, grad_tensors, create_graph)
-    targets = None if inputs is None else _inputs(inputs, "backward")
-    if retain_graph is None:
-        retain_graph = create_graph
-    run = engine if engine is not None else current_engine()
-    early = _EarlyCommits(create_graph)
+    call = _BackwardCall(tensors, grad_tensors, retain_graph, create_graph, inputs, engine)
     try:
-        kept = run.execute(
-            [t._edge() for t in roots], grads, retain_graph=retain_graph,
-            create_graph=create_graph,
-            inputs=None if targets is None else [t._edge() for t in targets],
-            on_kept=early,
-        )
+        kept = call.engine.execute(call.roots, call.grads, **call.options())
     except BaseException:
-        early.undo()
+        call.early.undo()
         raise
-    receivers = {} if targets is None else {t._edge(): t for t in targets}
-    with grad_lock, enable_grad():
-        for edge, grad in kept.items():
-            tensor = _receiver(edge, receivers)
-            if tensor is not None:
-                _add_to_grad(tensor, grad, create_graph)
+    call.commit(kept)
+
+
+def backward_async(
+    tensors: Tensor | Sequence[Tensor],
+    grad_tensors: Any = None,
+    retain_graph: bool | None = None,
+    create_graph: bool = False,
+    inputs: Tensor | Sequence[Tensor] | None = None,
+    *,
+    engine: Engine | None = None,
+) -> BackwardFuture[None]:
+    """Start ``backward(...)`` and return a ``concurrent.futures.Future`` of it.
+
+    On a ``ThreadedEngine`` it returns at once and the engine's workers run the
+    backward; the calling thread may go on (prepare the next batch) and wait later with
+    ``future.result()``, which then helps run it. ``SequentialEngine`` runs it to the end
+    first and returns a future that is done. The future resolves with None once every
+    ``.grad`` is committed; a leaf's post-accumulate-grad hooks run earlier, as soon as
+    its gradient is final, on an engine thread. Bad arguments raise here, as in
+    ``backward``; a failing node's ``BackwardError`` goes to the future, and then, as
+    after ``future.cancel()``, no ``.grad`` is changed. Thread-safe. docs/async.md says
+    what hooks and done-callbacks may do.
+
+    >>> import pargrad
+    >>> x = pargrad.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    >>> future = pargrad.backward_async((x ** 2).sum())
+    >>> future.result(timeout=10)
+    >>> x.grad
+    tensor([2., 4., 6.], dtype=float64)
+    """
+    call = _BackwardCall(tensors, grad_tensors, retain_graph, create_graph, inputs, engine)
+    future = call.engine.execute_async(call.roots, call.grads, **call.options())
+    return future._then(call.commit, call.early.undo)
 
 
 def grad(
@@ -110,34 +129,113 @@ def grad(
     >>> x.grad is None
     True
     """
-    if materialize_grads and allow_unused is False:
-        raise ValueError("grad: materialize_grads=True needs allow_unused=True (or unset)")
-    allow_unused = materialize_grads if allow_unused is None else allow_unused
-    roots = _as_tensors(outputs, "grad")
-    targets = _inputs(inputs, "grad")
-    grads = _root_grads(roots, grad_outputs, create_graph)
-    if retain_graph is None:
-        retain_graph = create_graph
-    run = engine if engine is not None else current_engine()
-    edges = [t._edge() for t in targets]
-    kept = run.execute([t._edge() for t in roots], grads, retain_graph=retain_graph,
-                       create_graph=create_graph, inputs=edges)
-    results: list[Tensor | None] = []
-    for i, (target, edge) in enumerate(zip(targets, edges)):
-        got = kept.get(edge)
-        if got is None:
-            if not allow_unused:
-                raise RuntimeError(
-                    f"grad: inputs[{i}] got no gradient: it was not used to compute the "
-                    f"outputs; pass allow_unused=True to get None for it"
-                )
-            results.append(Tensor._make(np.zeros(target.shape, target.dtype),
-                                        device=target.device) if materialize_grads else None)
-        elif isinstance(got, Tensor):
-            results.append(got)
-        else:  # its own memory, as a .grad would be
-            results.append(Tensor._make(np.array(got), device=target.device))
-    return tuple(results)
+    call = _GradCall(outputs, inputs, grad_outputs, retain_graph, create_graph, allow_unused,
+                     materialize_grads, engine)
+    return call.results(call.engine.execute(call.roots, call.grads, **call.options()))
+
+
+def grad_async(
+    outputs: Tensor | Sequence[Tensor],
+    inputs: Tensor | Sequence[Tensor],
+    grad_outputs: Any = None,
+    retain_graph: bool | None = None,
+    create_graph: bool = False,
+    allow_unused: bool | None = None,
+    materialize_grads: bool = False,
+    *,
+    engine: Engine | None = None,
+) -> BackwardFuture[tuple[Tensor | None, ...]]:
+    """Start ``grad(...)`` and return a ``concurrent.futures.Future`` of its result.
+
+    Returns at once on a ``ThreadedEngine`` (as ``backward_async``); the future
+    resolves with the tuple ``grad`` returns, or carries its error (an unused input's
+    RuntimeError too). Bad arguments raise here. Thread-safe.
+
+    >>> import pargrad
+    >>> x = pargrad.tensor([1.0, 2.0], requires_grad=True)
+    >>> pargrad.grad_async((x * x).sum(), [x]).result(timeout=10)
+    (tensor([2., 4.], dtype=float64),)
+    """
+    call = _GradCall(outputs, inputs, grad_outputs, retain_graph, create_graph, allow_unused,
+                     materialize_grads, engine)
+    future = call.engine.execute_async(call.roots, call.grads, **call.options())
+    return future._then(call.results, lambda: None)
+
+
+class _BackwardCall:
+    """One call of ``backward`` or ``backward_async``: its checked arguments, the early
+    commits of its post-accumulate-grad leaves, and the commit of the rest."""
+
+    def __init__(self, tensors: Any, grad_tensors: Any, retain_graph: bool | None,
+                 create_graph: bool, inputs: Any, engine: Engine | None) -> None:
+        roots = _as_tensors(tensors, "backward")
+        self.grads = _root_grads(roots, grad_tensors, create_graph)
+        self.targets = None if inputs is None else _inputs(inputs, "backward")
+        self.roots = [t._edge() for t in roots]
+        self.retain_graph = create_graph if retain_graph is None else retain_graph
+        self.create_graph = create_graph
+        self.engine = engine if engine is not None else current_engine()
+        self.early = _EarlyCommits(create_graph)
+
+    def options(self) -> dict[str, Any]:
+        """The keyword arguments of ``Engine.execute`` / ``execute_async``."""
+        inputs = None if self.targets is None else [t._edge() for t in self.targets]
+        return {"retain_graph": self.retain_graph, "create_graph": self.create_graph,
+                "inputs": inputs, "on_kept": self.early}
+
+    def commit(self, kept: dict[Edge, Grad]) -> None:
+        """Add what the engine kept to ``.grad`` (the whole backward succeeded)."""
+        receivers = {} if self.targets is None else {t._edge(): t for t in self.targets}
+        with grad_lock, enable_grad():
+            for edge, grad in kept.items():
+                tensor = _receiver(edge, receivers)
+                if tensor is not None:
+                    _add_to_grad(tensor, grad, self.create_graph)
+
+
+class _GradCall:
+    """One call of ``grad`` or ``grad_async``: its checked arguments and its results."""
+
+    def __init__(self, outputs: Any, inputs: Any, grad_outputs: Any,
+                 retain_graph: bool | None, create_graph: bool, allow_unused: bool | None,
+                 materialize_grads: bool, engine: Engine | None) -> None:
+        if materialize_grads and allow_unused is False:
+            raise ValueError("grad: materialize_grads=True needs allow_unused=True (or unset)")
+        self.allow_unused = materialize_grads if allow_unused is None else allow_unused
+        self.materialize_grads = materialize_grads
+        roots = _as_tensors(outputs, "grad")
+        self.targets = _inputs(inputs, "grad")
+        self.grads = _root_grads(roots, grad_outputs, create_graph)
+        self.roots = [t._edge() for t in roots]
+        self.edges = [t._edge() for t in self.targets]
+        self.retain_graph = create_graph if retain_graph is None else retain_graph
+        self.create_graph = create_graph
+        self.engine = engine if engine is not None else current_engine()
+
+    def options(self) -> dict[str, Any]:
+        """The keyword arguments of ``Engine.execute`` / ``execute_async``."""
+        return {"retain_graph": self.retain_graph, "create_graph": self.create_graph,
+                "inputs": self.edges}
+
+    def results(self, kept: dict[Edge, Grad]) -> tuple[Tensor | None, ...]:
+        """One gradient per input, from what the engine kept."""
+        results: list[Tensor | None] = []
+        for i, (target, edge) in enumerate(zip(self.targets, self.edges)):
+            got = kept.get(edge)
+            if got is None:
+                if not self.allow_unused:
+                    raise RuntimeError(
+                        f"grad: inputs[{i}] got no gradient: it was not used to compute "
+                        f"the outputs; pass allow_unused=True to get None for it"
+                    )
+                results.append(Tensor._make(np.zeros(target.shape, target.dtype),
+                                            device=target.device)
+                               if self.materialize_grads else None)
+            elif isinstance(got, Tensor):
+                results.append(got)
+            else:  # its own memory, as a .grad would be
+                results.append(Tensor._make(np.array(got), device=target.device))
+        return tuple(results)
 
 
 class _EarlyCommits:

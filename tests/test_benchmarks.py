@@ -66,6 +66,10 @@ def test_smoke_run_of_the_whole_suite(tmp_path: Path, block: tuple[str, ...]) ->
     targets = {t["target"].split(":")[0] for t in figures["targets"]}
     assert {"wide-matmul", "tiny-chain", "fan-in", "mlp-step"} <= targets
     assert figures["machine"]["cores"] >= 1 and figures["machine"]["blas"] is not None
+    overlap = figures["overlap"]  # the async training step against the sync one
+    assert overlap["sync / async"] > 0 and overlap["async_step"]["median_s"] > 0
+    assert set(overlap["leaves_ready_ms"]) == {"W1", "b1", "W2", "b2", "W3", "b3"}
+    assert "sync / async" in stdout
     assert "targets (ratios of medians in this run)" in stdout
     has_matplotlib = importlib.util.find_spec("matplotlib") is not None
     assert plot.exists() == (has_matplotlib and not block)
@@ -80,7 +84,7 @@ def test_only_selects_workloads(tmp_path: Path) -> None:
                                 "--workers", "3")
     names = [w["name"] for w in figures["workloads"]]
     assert names[0] == "tiny-chain" and all(n.startswith("random-dag:") for n in names[1:])
-    assert figures["widths"] == {}
+    assert figures["widths"] == {} and "overlap" not in figures
     chain = figures["workloads"][0]
     d = figures["machine"]["pargrad_default_workers"]
     assert set(chain["contenders"]) == {"sequential", f"threaded({d})", "threaded(3)",

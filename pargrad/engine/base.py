@@ -17,6 +17,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 
+from pargrad.futures import BackwardFuture
 from pargrad.graph import Edge, Grad
 
 
@@ -52,6 +53,35 @@ class Engine(ABC):
         current; frees saved values unless ``retain_graph``. Raises the
         ``BackwardError`` of the first failing node.
         """
+
+    def execute_async(
+        self,
+        roots: Sequence[Edge],
+        grads: Sequence[Grad],
+        *,
+        retain_graph: bool,
+        create_graph: bool,
+        inputs: Sequence[Edge] | None = None,
+        on_kept: Callable[[Edge, Grad], bool] | None = None,
+    ) -> BackwardFuture[dict[Edge, Grad]]:
+        """Start the backward of ``execute`` and return a future of its result.
+
+        This default runs ``execute`` to the end on the calling thread and returns a
+        future that is done already (carrying the result or the ``Exception``; a
+        KeyboardInterrupt is raised here): what ``SequentialEngine`` does, so that the
+        reference stays one loop on one thread. ``ThreadedEngine`` returns at once while
+        its workers run the backward. ``on_kept`` and the tensor hooks run as in
+        ``execute``, on the engine's threads, before the future resolves.
+        """
+        future: BackwardFuture[dict[Edge, Grad]] = BackwardFuture()
+        try:
+            kept = self.execute(roots, grads, retain_graph=retain_graph,
+                                create_graph=create_graph, inputs=inputs, on_kept=on_kept)
+        except Exception as exc:
+            future.set_exception(exc)
+        else:
+            future.set_result(kept)
+        return future
 
 
 # Guards _default_engine, so that creating the default lazily cannot overwrite a

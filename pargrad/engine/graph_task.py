@@ -15,7 +15,9 @@ Guarantees:
   counted (``finish`` of the node that made it) before any other thread can see it, so
   the count cannot touch zero while work remains. ``done`` is then set exactly once.
 - The first error is kept and cancels the task: NodeTasks not yet started are finished
-  without running, so the count still drains and the caller is woken.
+  without running, so the count still drains and the caller is woken. ``cancel`` (a
+  BackwardFuture cancelled) records a ``CancelledError`` as that error, unless the task
+  is over already.
 
 Assumptions: no GIL. Nodes are spread over up to ``STRIPES`` lock stripes (a power of
 two, fewer for small graphs) by sequence number;
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import CancelledError
 from typing import Any
 
 from pargrad import anomaly
@@ -100,6 +103,7 @@ class GraphTask:
         on_done: Callable[[GraphTask], None],
         inputs: Sequence[Edge] | None = None,
         on_kept: Callable[[Edge, Grad], bool] | None = None,
+        parent: GraphTask | None = None,
     ) -> None:
         self.engine = engine  # the engine running it: the current engine inside its nodes
         self.roots = roots
@@ -115,6 +119,8 @@ class GraphTask:
         # runs it under this mode (as under grad mode ``create_graph``).
         self.anomaly_mode = anomaly.current_mode()
         self.depth = depth  # reentrant nesting: 0 for a backward not called from a node
+        # The task whose node waits for this one (a reentrant backward), or None.
+        self.parent = parent
         self.number = trace.next_task_number()  # tells backward calls apart in a trace
         self._on_done = on_done
         root_nodes = {node for node, _ in roots if node is not None}
@@ -146,9 +152,10 @@ class GraphTask:
         stripes = min(STRIPES, 1 << max(0, (buffered - 1) // 8).bit_length())
         self._mask = stripes - 1
         self._stripes = tuple(_Stripe() for _ in range(stripes))
-        # Guards _outstanding, _error and _kept.grads.
+        # Guards _outstanding, _over, _error and _kept.grads.
         self._lock = threading.Lock()
         self._outstanding = 0
+        self._over = False  # _outstanding reached zero: nothing runs any more
         self._error: BaseException | None = None
         # Set with the first error (or an interrupt): nodes not started are skipped.
         self.cancelled = threading.Event()
@@ -222,7 +229,7 @@ class GraphTask:
             return runnable
         with self._lock:
             self._outstanding += len(runnable) - finished
-            complete = self._outstanding == 0
+            complete = self._over = self._outstanding == 0
         if complete:
             for stripe in self._stripes:  # a failed task leaves buffers behind: drop them
                 with stripe.lock:
@@ -262,6 +269,23 @@ class GraphTask:
             if self._error is None:
                 self._error = exc
         self.cancelled.set()
+
+    def cancel(self) -> bool:
+        """Cancel the task, unless it is over or failed already: nodes not started are
+        skipped and the task fails with a ``CancelledError``. Returns whether the task
+        is cancelled (by this call or an earlier one)."""
+        with self._lock:
+            if self._error is None and not self._over:
+                self._error = CancelledError("the backward was cancelled")
+            cancelled = isinstance(self._error, CancelledError)
+        if cancelled:
+            self.cancelled.set()
+        return cancelled
+
+    @property
+    def was_cancelled(self) -> bool:
+        """Whether the task failed by ``cancel`` (a node's error is a BackwardError)."""
+        return isinstance(self.error, CancelledError)
 
     @property
     def error(self) -> BaseException | None:

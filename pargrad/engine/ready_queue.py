@@ -7,7 +7,8 @@ Guarantees:
   then the higher forward sequence number (the reverse of creation order, as in the
   reference engine, so a buffer is freed soon after it filled), then first in, first out.
 - ``get`` blocks until it has an item, or the queue is closed and empty, or the
-  caller's ``stop`` event is set; ``wake_all`` makes blocked callers look again.
+  caller's ``stop`` event is set, or its ``timeout`` passed; ``wake_all`` makes blocked
+  callers look again.
 
 Assumptions: none on the GIL: every field is guarded by ``_lock``.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
+import time
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -44,12 +46,15 @@ class ReadyQueue(Generic[T]):
             if self._waiting:
                 self.not_empty.notify()
 
-    def get(self, stop: threading.Event | None = None) -> T | None:
+    def get(self, stop: threading.Event | None = None,
+            timeout: float | None = None) -> T | None:
         """Remove and return the best item; block while there is none.
 
         Returns None when ``stop`` is set (checked first, so a caller whose work is
-        done takes no more) or when the queue is closed and empty.
+        done takes no more), when the queue is closed and empty, or after ``timeout``
+        seconds without an item.
         """
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             while True:
                 if stop is not None and stop.is_set():
@@ -58,10 +63,13 @@ class ReadyQueue(Generic[T]):
                     return heapq.heappop(self._heap)[-1]
                 if self._closed:
                     return None
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return None
                 self._waiting += 1
                 self._waits += 1
                 try:
-                    self.not_empty.wait()
+                    self.not_empty.wait(left)
                 except BaseException:
                     if self._heap:  # a notify meant for this waiter must not be lost
                         self.not_empty.notify()

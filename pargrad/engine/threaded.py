@@ -33,6 +33,9 @@ Guarantees:
 - Workers are daemon threads, started when their device first gets work; an engine that
   is shut down, or garbage collected, stops them once no backward is in flight. The
   interpreter never waits for them.
+- ``execute_async`` returns a BackwardFuture at once; the workers alone finish the
+  task, a thread waiting in its ``result()`` helps, and a thread inside a node of the
+  task that waits for it gets RuntimeError, not a deadlock (docs/async.md).
 - Deterministic mode with ``create_graph`` runs every node on the calling thread, so that
   the recorded graph, and a second backward through it, are the reference's too.
 
@@ -42,11 +45,13 @@ Assumptions: no GIL. Shared state is guarded by the locks named at each field
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import math
 import threading
+import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 
 from pargrad import anomaly
@@ -55,7 +60,8 @@ from pargrad.engine import blas
 from pargrad.engine.base import Engine, _engine_stack
 from pargrad.engine.graph_task import GraphTask, NodeTask, Ready
 from pargrad.engine.ready_queue import ReadyQueue
-from pargrad.engine.trace import Counters, Statistics, Trace, now, recording
+from pargrad.engine.trace import Counters, Log, Statistics, Trace, now, recording
+from pargrad.futures import BackwardFuture
 from pargrad.grad_mode import _set_enabled, is_grad_enabled
 from pargrad.graph import BackwardError, Edge, Grad, Node
 
@@ -70,7 +76,8 @@ ENGINE_HINT = "; set PARGRAD_ENGINE=sequential to rerun on the reference engine"
 
 # Per-thread state, so no lock: ``pool`` and ``device`` (set in worker and helper
 # threads: the pool and device they work for), ``depth`` (backward calls nested on this
-# thread's stack) and ``task`` (the GraphTask whose node this thread is running).
+# thread's stack) and ``running`` (the GraphTasks whose nodes this thread is inside,
+# innermost last: ``_running()``).
 _local = threading.local()
 
 
@@ -237,11 +244,11 @@ def _process(task: GraphTask, local: Local, on: Device, *, reraise: bool,
     assert isinstance(engine, ThreadedEngine)
     counts = engine._counters.mine()
     records = recording(engine.trace)  # None unless tracing: checked once per node
-    previous_task = getattr(_local, "task", None)
     previous_mode = is_grad_enabled()
     previous_anomaly = anomaly.current_mode()
     engines = _engine_stack()
-    _local.task = task
+    running = _running()
+    running.append(task)
     _set_enabled(task.create_graph)
     anomaly.set_mode(task.anomaly_mode)
     engines.append(engine)
@@ -280,7 +287,10 @@ def _process(task: GraphTask, local: Local, on: Device, *, reraise: bool,
                             if got is None:
                                 pass
                             elif next_node in sinks:
-                                task.sink(next_node, got)
+                                if not cancelled.is_set():  # no hook after a cancel
+                                    task.sink(next_node, got)
+                                    if records is not None:
+                                        _record_ready(records, next_node, task)
                             else:
                                 ready.append((next_node, got))
                     del outputs
@@ -297,8 +307,8 @@ def _process(task: GraphTask, local: Local, on: Device, *, reraise: bool,
                 if records is not None:
                     record = (node.name(), node.sequence_nr, str(on), start, now(),
                               node is handed, task.number)
-                    for sink in records:
-                        sink.append(record)
+                    for log in records:
+                        log.nodes.append(record)
             runnable = task.finish(ready)
             if interrupt is not None:
                 for _ in range(len(local) + len(runnable)):  # all of this cancelled task
@@ -312,7 +322,41 @@ def _process(task: GraphTask, local: Local, on: Device, *, reraise: bool,
         engines.pop()
         _set_enabled(previous_mode)
         anomaly.set_mode(previous_anomaly)
-        _local.task = previous_task
+        running.pop()
+
+
+def _running() -> list[GraphTask]:
+    """The tasks whose nodes this thread is inside, innermost last (a thread waiting in
+    a node runs other nodes, of any task)."""
+    running: list[GraphTask] | None = getattr(_local, "running", None)
+    if running is None:
+        running = _local.running = []
+    return running
+
+
+def _current_task() -> GraphTask | None:
+    """The task whose node this thread is running now, or None."""
+    running = _running()
+    return running[-1] if running else None
+
+
+def _inside(task: GraphTask) -> bool:
+    """Whether this thread is inside a node of ``task``, or of a reentrant backward
+    that a node of ``task`` waits for: then waiting for ``task`` waits for itself."""
+    for running in _running():
+        outer: GraphTask | None = running
+        while outer is not None:
+            if outer is task:
+                return True
+            outer = outer.parent
+    return False
+
+
+def _record_ready(records: list[Log], node: Node, task: GraphTask) -> None:
+    shape = node._output_meta[0][0]
+    record = (node.sequence_nr, shape, now(), task.number)
+    for log in records:
+        log.ready.append(record)
 
 
 def _schedule(engine: ThreadedEngine, task: GraphTask, runnable: list[Ready], on: Device,
@@ -375,6 +419,84 @@ def _help(task: GraphTask, ready: list[Ready], on: Device, queue: ReadyQueue[Nod
     """A reentrant helper thread's whole life: drive ``task`` on a fresh stack."""
     _local.pool, _local.device = pool, on
     _drive(task, ready, on, queue, reraise=False)
+
+
+def _home_device(pool: _Pool) -> Device:
+    """The device whose queue this thread works on: its own in a pool thread, else cpu."""
+    return _local.device if getattr(_local, "pool", None) is pool else CPU
+
+
+@contextlib.contextmanager
+def _outside(task: GraphTask) -> Iterator[None]:
+    """Resolve ``task``'s future as outside its nodes: its done-callbacks run with grad
+    mode on, and a backward they start is not nested in ``task``."""
+    running = _running()
+    popped = bool(running) and running[-1] is task
+    if popped:
+        running.pop()
+    previous_mode = is_grad_enabled()
+    _set_enabled(True)
+    try:
+        yield
+    finally:
+        _set_enabled(previous_mode)
+        if popped:
+            running.append(task)
+
+
+class _AsyncWork:
+    """What a BackwardFuture of a ThreadedEngine controls (``futures.Work``): its
+    GraphTask, and the ReadyQueues where threads wait for it in ``result()``."""
+
+    def __init__(self, pool: _Pool) -> None:
+        self.pool = pool
+        # Set once before the task is published, and to None once the future resolved
+        # (so the future does not keep the graph alive); readers read it once.
+        self.task: GraphTask | None = None
+        # Guards _helping: each queue with threads helping in result(), and how many.
+        self._lock = threading.Lock()
+        self._helping: dict[ReadyQueue[NodeTask], int] = {}
+
+    def cancel(self) -> bool:
+        task = self.task
+        return task is not None and task.cancel()
+
+    def inside(self) -> bool:
+        task = self.task
+        return task is not None and _inside(task)
+
+    def wait(self, timeout: float | None) -> None:
+        """Run ready work of this thread's device until the task is over (or until
+        ``timeout``, checked between nodes); the task's KeyboardInterrupt semantics are
+        a waiting caller's (module doc)."""
+        task = self.task
+        if task is None:
+            return
+        queue = self.pool.queue(on := _home_device(self.pool))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            self._helping[queue] = self._helping.get(queue, 0) + 1
+        try:
+            while not task.done.is_set():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return
+                item = queue.get(stop=task.done, timeout=left)
+                if item is not None:
+                    _process_item(item, on, reraise=True, owner=task)
+                    del item
+        finally:
+            with self._lock:
+                self._helping[queue] -= 1
+                if not self._helping[queue]:
+                    del self._helping[queue]
+
+    def wake_helpers(self) -> None:
+        """Wake the threads helping in ``result()``: the task is over."""
+        with self._lock:
+            queues = list(self._helping)
+        for queue in queues:
+            queue.wake_all()
 
 
 class ThreadedEngine(Engine):
@@ -471,36 +593,21 @@ class ThreadedEngine(Engine):
         on_kept: Callable[[Edge, Grad], bool] | None = None,
     ) -> dict[Edge, Grad]:
         pool = self._pool
-        on = _local.device if getattr(_local, "pool", None) is pool else CPU
-        parent: GraphTask | None = getattr(_local, "task", None)
-        pool.task_started(nested=parent is not None)  # raises after shutdown
-        previous_mode = is_grad_enabled()
-        task: GraphTask | None = None
-        try:
-            queue = pool.queue(on)
+        on = _home_device(pool)
+        parent = _current_task()
+        queue = pool.queue(on)
+        caller = threading.current_thread()
 
-            caller = threading.current_thread()
+        def on_done(task: GraphTask) -> None:
+            pool.task_done()
+            # The caller may be blocked in queue.get; if it finished the task itself,
+            # it is not, and waking the idle workers would only cost GIL switches.
+            if threading.current_thread() is not caller:
+                queue.wake_all()
 
-            def on_done(task: GraphTask) -> None:
-                pool.task_done()
-                # The caller may be blocked in queue.get; if it finished the task itself,
-                # it is not, and waking the idle workers would only cost GIL switches.
-                if threading.current_thread() is not caller:
-                    queue.wake_all()
-
-            task = GraphTask(roots, grads, retain_graph=retain_graph,
-                             create_graph=create_graph, deterministic=self.deterministic,
-                             depth=0 if parent is None else parent.depth + 1,
-                             engine=self, on_done=on_done, inputs=inputs,
-                             on_kept=on_kept)
-            _set_enabled(create_graph)
-            ready = task.start()
-        except BaseException:
-            if task is None or not task.done.is_set():  # else on_done counted it already
-                pool.task_done()  # nothing of the task was published
-            raise
-        finally:
-            _set_enabled(previous_mode)
+        task, ready = self._begin(roots, grads, retain_graph=retain_graph,
+                                  create_graph=create_graph, inputs=inputs, on_kept=on_kept,
+                                  parent=parent, nested=parent is not None, on_done=on_done)
         depth = getattr(_local, "depth", 0)
         outermost = parent is None and getattr(_local, "pool", None) is None
         limited = False
@@ -532,13 +639,92 @@ class ThreadedEngine(Engine):
             raise _with_hint(error)
         return task.captured()
 
+    def execute_async(
+        self,
+        roots: Sequence[Edge],
+        grads: Sequence[Grad],
+        *,
+        retain_graph: bool,
+        create_graph: bool,
+        inputs: Sequence[Edge] | None = None,
+        on_kept: Callable[[Edge, Grad], bool] | None = None,
+    ) -> BackwardFuture[dict[Edge, Grad]]:
+        """Start the backward and return its future at once: the workers alone run it
+        (the calling thread runs no node unless it waits in ``result()``, where it
+        helps). ``limit_blas`` does not apply. Errors of the arguments raise here; those
+        of the backward go to the future."""
+        pool = self._pool
+        on = _home_device(pool)
+        queue = pool.queue(on)
+        work = _AsyncWork(pool)
+        future: BackwardFuture[dict[Edge, Grad]] = BackwardFuture(work)
+        counters = self._counters
+
+        def on_done(task: GraphTask) -> None:
+            pool.task_done()
+            queue.wake_all()  # a thread helping in result() may wait on it
+            work.wake_helpers()
+            error = task.error
+            counters.task_ended(failed=error is not None)
+            with _outside(task):
+                if task.was_cancelled:
+                    future._set_cancelled()
+                elif error is not None:
+                    future.set_exception(_with_hint(error))
+                else:
+                    future.set_result(task.captured())
+            work.task = None  # the future no longer holds the graph alive
+
+        # Not a reentrant backward even when a node starts it: that node does not wait.
+        task, ready = self._begin(roots, grads, retain_graph=retain_graph,
+                                  create_graph=create_graph, inputs=inputs, on_kept=on_kept,
+                                  parent=None, nested=_current_task() is not None,
+                                  on_done=on_done, work=work)
+        if task.serial:  # every node on one thread, in the reference's order
+            threading.Thread(target=_help, args=(task, ready, on, queue, pool),
+                             name=f"pargrad-{on}-async", daemon=True).start()
+        else:
+            for node, gathered in ready:
+                pool.queue(node.device).put(NodeTask(task, node, gathered), task.depth,
+                                            node.sequence_nr)
+        return future
+
+    def _begin(self, roots: Sequence[Edge], grads: Sequence[Grad], *, retain_graph: bool,
+               create_graph: bool, inputs: Sequence[Edge] | None,
+               on_kept: Callable[[Edge, Grad], bool] | None, parent: GraphTask | None,
+               nested: bool, on_done: Callable[[GraphTask], None],
+               work: _AsyncWork | None = None) -> tuple[GraphTask, list[Ready]]:
+        """Count a new backward call in the pool, make its GraphTask (``work.task``, if
+        given, before any thread can see it) and deliver the root gradients; returns the
+        task and its ready roots. Raises after shutdown, or what the roots raise."""
+        pool = self._pool
+        pool.task_started(nested=nested)  # raises after shutdown
+        previous_mode = is_grad_enabled()
+        task: GraphTask | None = None
+        try:
+            task = GraphTask(roots, grads, retain_graph=retain_graph,
+                             create_graph=create_graph, deterministic=self.deterministic,
+                             depth=0 if parent is None else parent.depth + 1,
+                             engine=self, on_done=on_done, inputs=inputs,
+                             on_kept=on_kept, parent=parent)
+            if work is not None:
+                work.task = task
+            _set_enabled(create_graph)
+            return task, task.start()
+        except BaseException:
+            if task is None or not task.done.is_set():  # else on_done counted it already
+                pool.task_done()  # nothing of the task was published
+            raise
+        finally:
+            _set_enabled(previous_mode)
+
     def shutdown(self, wait: bool = True) -> None:
         """Stop the workers; later backward calls on this engine raise RuntimeError.
 
         With ``wait`` (the default), first let the backward calls in flight finish and
         then join the workers. Must not be called from inside a backward.
         """
-        if getattr(_local, "task", None) is not None:
+        if _current_task() is not None:
             raise RuntimeError("ThreadedEngine.shutdown() called from inside a backward")
         self._pool.shutdown(wait)
 

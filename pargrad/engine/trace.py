@@ -1,5 +1,6 @@
-"""Seeing what the threaded engine did: a trace of every node it ran (exported as Chrome
-trace JSON, for Perfetto or chrome://tracing), and its statistics.
+"""Seeing what the threaded engine did: a trace of every node it ran and of the moment
+each leaf's gradient was final (exported as Chrome trace JSON, for Perfetto or
+chrome://tracing), and its statistics.
 
 - ``ThreadedEngine(trace=True)`` keeps a ``Trace`` of every backward it runs
   (``engine.trace``); ``with pargrad.profile() as trace:`` records the nodes that any
@@ -34,6 +35,19 @@ from typing import Any
 Record = tuple[str, int, str, float, float, bool, int]
 """What a thread appends per node: ``(node name, sequence_nr, device, start, end,
 handed off, task number)``; the thread is the list's owner."""
+ReadyRecord = tuple[int, tuple[int, ...], float, int]
+"""What a thread appends when a leaf's gradient is final: ``(sequence_nr of its
+AccumulateGrad, the leaf's shape, time, task number)``."""
+
+
+class Log:
+    """One thread's records in one Trace; only that thread appends to them."""
+
+    __slots__ = ("nodes", "ready")
+
+    def __init__(self) -> None:
+        self.nodes: list[Record] = []
+        self.ready: list[ReadyRecord] = []
 
 
 @dataclass(frozen=True)
@@ -50,6 +64,18 @@ class NodeEvent:
     task: int  # which backward call (numbered per process, from 1)
 
 
+@dataclass(frozen=True)
+class LeafReady:
+    """The moment a leaf's gradient became final in a ThreadedEngine's backward (all the
+    edges into its AccumulateGrad delivered): its post-accumulate-grad hooks run now."""
+
+    sequence_nr: int  # of the leaf's AccumulateGrad
+    shape: tuple[int, ...]  # the leaf's
+    thread: str  # the thread whose delivery completed it
+    time: float  # ``time.perf_counter()`` seconds
+    task: int
+
+
 class Trace:
     """The nodes run by ThreadedEngines, recorded from any number of threads.
 
@@ -62,16 +88,16 @@ class Trace:
     """
 
     def __init__(self) -> None:
-        # Guards _threads (each list in it is appended to only by its thread).
+        # Guards _threads (each Log in it is appended to only by its thread).
         self._lock = threading.Lock()
-        self._threads: list[tuple[threading.Thread, list[Record]]] = []
-        self._local = threading.local()  # ``records``: this thread's list, once made
+        self._threads: list[tuple[threading.Thread, Log]] = []
+        self._local = threading.local()  # ``log``: this thread's Log, once made
 
-    def records(self) -> list[Record]:
-        """This thread's list of records (made and registered on first use)."""
-        mine: list[Record] | None = getattr(self._local, "records", None)
+    def log(self) -> Log:
+        """This thread's records (made and registered on first use)."""
+        mine: Log | None = getattr(self._local, "log", None)
         if mine is None:
-            mine = self._local.records = []
+            mine = self._local.log = Log()
             with self._lock:
                 self._threads.append((threading.current_thread(), mine))
         return mine
@@ -79,22 +105,32 @@ class Trace:
     def events(self) -> list[NodeEvent]:
         """Every node recorded so far, by start time."""
         with self._lock:
-            threads = [(thread, list(records)) for thread, records in self._threads]
+            threads = [(thread, list(log.nodes)) for thread, log in self._threads]
         events = [NodeEvent(name, seq, thread.name, device, start, end, handed, task)
                   for thread, records in threads
                   for name, seq, device, start, end, handed, task in records]
         return sorted(events, key=lambda e: e.start)
 
+    def leaves_ready(self) -> list[LeafReady]:
+        """Every moment a leaf's gradient became final, recorded so far, by time."""
+        with self._lock:
+            threads = [(thread, list(log.ready)) for thread, log in self._threads]
+        ready = [LeafReady(seq, shape, thread.name, at, task)
+                 for thread, records in threads for seq, shape, at, task in records]
+        return sorted(ready, key=lambda r: r.time)
+
     def clear(self) -> None:
         """Forget what was recorded (threads recording now may still add to it)."""
         with self._lock:
-            for _, records in self._threads:
-                records.clear()
+            for _, log in self._threads:
+                log.nodes.clear()
+                log.ready.clear()
 
     def chrome_trace(self) -> dict[str, Any]:
         """The events in Chrome's trace event format: one track per thread, one slice
-        per node (its category says inline or handed off), times in microseconds from
-        the first node."""
+        per node (its category says inline or handed off), an instant event ``ready``
+        per leaf whose gradient became final, times in microseconds from the first
+        node."""
         events = self.events()
         origin = events[0].start if events else 0.0
         pid = os.getpid()
@@ -107,6 +143,12 @@ class Trace:
                         "ts": (e.start - origin) * 1e6, "dur": (e.end - e.start) * 1e6,
                         "args": {"sequence_nr": e.sequence_nr, "device": e.device,
                                  "task": e.task}})
+        for r in self.leaves_ready():
+            tid = tids.setdefault(r.thread, len(tids) + 1)
+            out.append({"name": "ready", "cat": "leaf", "ph": "i", "s": "t", "pid": pid,
+                        "tid": tid, "ts": (r.time - origin) * 1e6,
+                        "args": {"sequence_nr": r.sequence_nr, "shape": list(r.shape),
+                                 "task": r.task}})
         for thread, tid in tids.items():
             out.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
                         "args": {"name": thread}})
@@ -146,14 +188,14 @@ def profile() -> Iterator[Trace]:
             _profiles = tuple(p for p in _profiles if p is not trace)
 
 
-def recording(own: Trace | None) -> list[list[Record]] | None:
-    """This thread's record lists of an engine's own trace and the open profiles; None
-    when nothing records (the common case, one check)."""
+def recording(own: Trace | None) -> list[Log] | None:
+    """This thread's Logs in an engine's own trace and the open profiles; None when
+    nothing records (the common case, one check)."""
     profiles = _profiles
     if own is None and not profiles:
         return None
     traces = profiles if own is None else (own, *profiles)
-    return [t.records() for t in traces]
+    return [t.log() for t in traces]
 
 
 def now() -> float:

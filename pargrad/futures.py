@@ -1,0 +1,150 @@
+"""BackwardFuture: the handle of a backward that runs while its caller goes on
+(``pargrad.backward_async``, ``pargrad.grad_async``).
+
+It is a ``concurrent.futures.Future``, so ``result(timeout)``, ``exception()``,
+``done()``, ``add_done_callback``, ``concurrent.futures.wait`` / ``as_completed`` and
+``asyncio.wrap_future`` work as with any future. What it adds (docs/async.md):
+
+Guarantees:
+- It resolves once the backward is over: no thread runs a node of it any more and, for
+  ``backward_async``, the ``.grad`` of every leaf is committed (success) or as it was
+  (error, cancellation). Done-callbacks therefore see the final ``.grad``.
+- ``cancel()`` stops a backward in flight: its nodes not yet started are skipped. It
+  returns once the nodes already running have finished, with the future cancelled and
+  no ``.grad`` changed. (A standard Future refuses to cancel a call that is running; a
+  backward can always be stopped between two nodes, so this one can be cancelled until
+  it resolves. The future stays PENDING until then, which is what lets the base class
+  cancel it; ``running()`` says whether the backward is still in flight.)
+- ``result()`` and ``exception()`` may help: on a ThreadedEngine the waiting thread
+  runs ready nodes of its device until the backward is over, so a backward finishes
+  even when every worker is busy (or waits itself).
+- Called from inside a node or hook of the very backward they wait for, ``result()``
+  and ``exception()`` raise RuntimeError instead of waiting for themselves forever, and
+  ``cancel()`` cancels without waiting (it returns True; the future is cancelled once
+  the node it was called from has finished).
+
+Assumptions: no GIL. The state is the base class's (guarded by its condition); ``_work``
+is set in ``__init__`` and read-only after.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, wait
+from typing import Protocol, TypeVar
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+
+class Work(Protocol):
+    """What a future needs of the backward it stands for; an engine provides it."""
+
+    def cancel(self) -> bool:
+        """Cancel the backward unless it is over; True if it is cancelled (by this call
+        or an earlier one), False if it completed or failed."""
+
+    def inside(self) -> bool:
+        """Whether the calling thread is inside a node (or hook) of the backward."""
+
+    def wait(self, timeout: float | None) -> None:
+        """Return once the backward is over, or after ``timeout`` seconds; may run
+        ready nodes meanwhile."""
+
+
+class BackwardFuture(Future[T]):
+    """A ``concurrent.futures.Future`` of a backward; see the module doc.
+
+    Made by engines (``Engine.execute_async``), not by users.
+
+    >>> import pargrad
+    >>> x = pargrad.tensor([1.0, 2.0], requires_grad=True)
+    >>> future = pargrad.backward_async((x * x).sum())
+    >>> future.result() is None, x.grad
+    (True, tensor([2., 4.], dtype=float64))
+    """
+
+    def __init__(self, work: Work | None = None) -> None:
+        super().__init__()
+        self._work = work  # None: resolved by whoever made it, nothing to cancel or help
+
+    def running(self) -> bool:
+        """Whether the backward is still in flight (not resolved)."""
+        return super().running() if self._work is None else not self.done()
+
+    def cancel(self) -> bool:
+        """Stop the backward if it is in flight; True if the future is (or will be,
+        when called from inside the backward) cancelled, False if it resolved otherwise.
+
+        Blocks until the nodes already running have finished, unless called from inside
+        a node or hook of this backward. No ``.grad`` changes; the engine stays usable.
+        """
+        work = self._work
+        if work is None or self.done():
+            return super().cancel()
+        if not work.cancel():
+            return False  # over: it resolves with its result or error
+        if not work.inside():
+            wait([self])  # cancelled once the nodes running have finished
+        return True
+
+    def result(self, timeout: float | None = None) -> T:
+        """The backward's result; blocks until it is over (at most ``timeout`` s).
+
+        Raises what the backward raised (``BackwardError`` naming the node),
+        ``CancelledError`` if it was cancelled, ``TimeoutError`` after ``timeout``, and
+        RuntimeError if called from inside a node or hook of this backward.
+        """
+        return super().result(self._wait(timeout))
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The backward's exception, or None; blocks and raises as ``result``."""
+        return super().exception(self._wait(timeout))
+
+    def _wait(self, timeout: float | None) -> float | None:
+        """Help until the backward is over or ``timeout`` passed; return the time left."""
+        work = self._work
+        if work is None or self.done():
+            return timeout
+        if work.inside():
+            raise RuntimeError(
+                "BackwardFuture.result() called from inside a node or hook of the backward "
+                "it waits for: it would wait for itself; read the gradient in a "
+                "post-accumulate-grad hook, or wait from outside the backward"
+            )
+        start = time.monotonic()
+        work.wait(timeout)
+        return None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+
+    # ----- for engines -----
+    def _set_cancelled(self) -> None:
+        """Resolve as cancelled (the backward was cancelled and is over)."""
+        Future.cancel(self)
+        self.set_running_or_notify_cancel()  # wakes concurrent.futures.wait and friends
+
+    def _then(self, fn: Callable[[T], U], undo: Callable[[], None]) -> BackwardFuture[U]:
+        """A future of ``fn(result)``, computed on the thread that resolves this one;
+        ``undo()`` runs instead when this one fails or is cancelled. Cancelling the new
+        future cancels this one; they share the backward."""
+        derived: BackwardFuture[U] = BackwardFuture(self._work)
+
+        def chain(source: Future[T]) -> None:
+            if source.cancelled():
+                undo()
+                derived._set_cancelled()
+                return
+            error = source.exception()
+            if error is not None:
+                undo()
+                derived.set_exception(error)
+                return
+            try:
+                value = fn(source.result())
+            except BaseException as exc:  # a callback must not raise: the future carries it
+                derived.set_exception(exc)
+            else:
+                derived.set_result(value)
+
+        self.add_done_callback(chain)
+        return derived
