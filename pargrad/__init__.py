@@ -79,15 +79,15 @@ from pargrad.tensor import Tensor, tensor
 __version__ = "0.1.0"
 
 __all__ = [
-    "AccumulateGrad", "BackwardError", "BackwardFuture", "Device", "Engine", "Function", "FunctionCtx",
-    "GradcheckError", "Node", "SequentialEngine", "Tensor", "ThreadedEngine", "abs", "add",
-    "astype", "backward", "backward_async", "broadcast_to", "checkpoint", "clip", "concatenate", "copy", "cos",
-    "current_engine", "detect_anomaly", "device", "divide", "enable_grad", "exp", "expand_dims",
-    "get_default_engine", "grad", "grad_async", "gradcheck", "gradgradcheck", "is_anomaly_check_nan_enabled",
-    "is_anomaly_enabled", "is_grad_enabled", "log", "log_softmax", "logsumexp",
-    "matmul", "max", "maximum", "mean", "min", "minimum", "multiply", "negative", "no_grad",
-    "once_differentiable", "power", "profile", "relu", "reshape", "set_default_engine",
-    "set_detect_anomaly", "set_grad_enabled", "sigmoid", "sin", "softmax", "split", "sqrt",
-    "squeeze", "stack", "subtract", "sum", "swapaxes", "tanh", "tensor", "to", "transpose",
-    "use_engine", "viz", "where",
+    "AccumulateGrad", "BackwardError", "BackwardFuture", "Device", "Engine", "Function",
+    "FunctionCtx", "GradcheckError", "Node", "SequentialEngine", "Tensor", "ThreadedEngine", "abs",
+    "add", "astype", "backward", "backward_async", "broadcast_to", "checkpoint", "clip",
+    "concatenate", "copy", "cos", "current_engine", "detect_anomaly", "device", "divide",
+    "enable_grad", "exp", "expand_dims", "get_default_engine", "grad", "grad_async", "gradcheck",
+    "gradgradcheck", "is_anomaly_check_nan_enabled", "is_anomaly_enabled", "is_grad_enabled", "log",
+    "log_softmax", "logsumexp", "matmul", "max", "maximum", "mean", "min", "minimum", "multiply",
+    "negative", "no_grad", "once_differentiable", "power", "profile", "relu", "reshape",
+    "set_default_engine", "set_detect_anomaly", "set_grad_enabled", "sigmoid", "sin", "softmax",
+    "split", "sqrt", "squeeze", "stack", "subtract", "sum", "swapaxes", "tanh", "tensor", "to",
+    "transpose", "use_engine", "viz", "where",
 ]
