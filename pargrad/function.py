@@ -32,6 +32,7 @@ from pargrad.grad_mode import is_grad_enabled, no_grad
 from pargrad.graph import BackwardError, Grad, Node
 from pargrad.tensor import Tensor, check_saved_data, input_edges
 from pargrad.versions import Saved, check, record
+from pargrad.views import view_of
 
 
 class FunctionCtx:
@@ -169,6 +170,9 @@ class Function:
         ctx._node_name = f"{cls.__name__}Backward"
         with no_grad():
             result = cls.forward(ctx, *args, **kwargs)
+        for t in ctx._dirty:  # forward changed their memory, whatever happens next
+            if isinstance(t, Tensor):
+                t._counter.bump()
         several = isinstance(result, tuple)
         results = result if several else (result,)
         arrays = [np.asarray(r.data if isinstance(r, Tensor) else r) for r in results]
@@ -195,6 +199,9 @@ def _check_dirty(name: str, dirty: tuple[Tensor, ...], args: tuple[Any, ...],
         if not any(t is r for r in results):
             raise RuntimeError(f"{name}.forward: a tensor marked dirty must be returned as "
                                f"an output (return the input itself)")
+        if records and t._view is not None:
+            raise RuntimeError(f"{name}.forward: a view marked dirty while a graph is "
+                               f"recorded is not supported; change and mark its base")
         if records:
             check_recordable(t, f"{name}.forward (mark_dirty)")
 
@@ -207,18 +214,15 @@ def _output(ctx: FunctionCtx, node: Node | None, i: int, result: Any, array: np.
     differentiable = (node is not None and array.dtype.kind == "f"
                       and not any(result is n for n in ctx._non_differentiable))
     if any(result is t for t in ctx._dirty):  # changed in place: the input itself
-        result._counter.bump()
         if differentiable:
             rebase(result, node, i)
         return result
     out = Tensor._make(array, node if differentiable else None, i, on)
     if isinstance(result, Tensor):  # an input returned unchanged, or a Tensor forward made
         out._counter = result._counter
-        out._is_view = any(result is a for a in args)
-        return out
-    for a in args:
+    for a in args:  # sharing an input's memory: a view of it, without a chain to replay
         if isinstance(a, Tensor) and np.may_share_memory(array, a.data):
-            out._counter, out._is_view = a._counter, True
+            out._counter, out._view = a._counter, view_of(a, None)
             break
     return out
 
@@ -271,7 +275,8 @@ def _delayed_error(node: FunctionNode, grads: list[Any], results: tuple[Any, ...
         tuple(((), np.dtype(np.float64)) if v is None else (v.shape, v.dtype) for v in values),
         node.device,
     )
-    return [None if v is None else Tensor._make(v, error, i) for i, v in enumerate(values)]
+    return [None if v is None else Tensor._make(v, error, i, node.device)
+            for i, v in enumerate(values)]
 
 
 class DelayedError(Node):

@@ -20,6 +20,7 @@ from pargrad.devices import device as as_device
 from pargrad.graph import AccumulateGrad, Edge, Meta, Node
 from pargrad.hooks import Hook, NodeHooks, RemovableHandle
 from pargrad.versions import VersionCounter
+from pargrad.views import View, refresh
 
 if TYPE_CHECKING:
     from pargrad.engine.base import Engine
@@ -57,7 +58,7 @@ class Tensor:
     """
 
     __slots__ = ("__weakref__", "_accumulator", "_counter", "_device", "_grad", "_hooks",
-                 "_is_view", "_requires_grad", "data", "grad_fn", "output_nr")
+                 "_requires_grad", "_view", "data", "grad_fn", "output_nr")
 
     data: np.ndarray
     grad_fn: Node | None
@@ -66,7 +67,7 @@ class Tensor:
     _accumulator: weakref.ref[AccumulateGrad] | None  # guarded by _accumulator_lock
     _hooks: NodeHooks | None  # a leaf's hooks, shared with its accumulator; same lock
     _counter: VersionCounter  # shared with every tensor viewing the same memory
-    _is_view: bool  # made by a view op (reshape, basic indexing...) from another tensor
+    _view: View | None  # set on a view of another tensor's memory (pargrad/views.py)
 
     def __init__(
         self, data: Any, requires_grad: bool = False, dtype: Any = None, device: Any = None
@@ -83,7 +84,7 @@ class Tensor:
         self._accumulator = None
         self._hooks = None
         self._counter = VersionCounter()
-        self._is_view = False
+        self._view = None
 
     @classmethod
     def _make(
@@ -106,7 +107,7 @@ class Tensor:
         t._accumulator = None
         t._hooks = None
         t._counter = VersionCounter()
-        t._is_view = False
+        t._view = None
         return t
 
     # ----- autograd state -----
@@ -114,6 +115,8 @@ class Tensor:
     @property
     def requires_grad(self) -> bool:
         """Whether gradients flow to this tensor; settable on float leaves only."""
+        if self._view is not None:
+            refresh(self)
         return self._requires_grad
 
     @requires_grad.setter
@@ -204,6 +207,8 @@ class Tensor:
 
     def _edge(self) -> Edge:
         """The edge a new node should hold to send this tensor its gradient."""
+        if self._view is not None:
+            refresh(self)
         if self.grad_fn is not None:
             return (self.grad_fn, self.output_nr)
         if self._requires_grad:
@@ -439,10 +444,10 @@ class Tensor:
         return _inplace.update(self, "div_", _ops.divide, other)
 
     def __ipow__(self, other: Any) -> Tensor:
-        return _inplace.update(self, "pow_", _ops.power, other)
+        return _inplace.update(self, "**=", _ops.power, other)
 
     def __imatmul__(self, other: Any) -> Tensor:
-        return _inplace.update(self, "matmul_", _ops.matmul, other)
+        return _inplace.update(self, "@=", _ops.matmul, other)
 
     def add_(self, other: Any) -> Tensor:
         """``self += other`` in place (differentiable; see docs/autograd.md); returns self.
@@ -630,6 +635,8 @@ def input_edges(args: Sequence[Any]) -> tuple[tuple[Edge, ...], tuple[Meta | Non
     edges: list[Edge] = []
     metas: list[Meta | None] = []
     for a in args:
+        if isinstance(a, Tensor) and a._view is not None:
+            refresh(a)
         if isinstance(a, Tensor) and a._requires_grad:
             edges.append(a._edge())
             metas.append((a.shape, a.dtype))

@@ -170,12 +170,13 @@ def test_outputs_that_are_inputs_or_views(engine: pargrad.Engine) -> None:
     same = Identity.apply(w)
     tail = Tail.apply(w)
     for out in (same, tail):
-        assert out is not w and out._counter is w._counter and out._is_view
+        assert out is not w and out._counter is w._counter
+        assert out._view is not None and out._view.base is w and out._view.chain is None
     assert np.shares_memory(same.data, w.data) and np.shares_memory(tail.data, w.data)
     (same.sum() + (tail * tail).sum()).backward()
     np.testing.assert_array_equal(w.grad.data, [5.0, 5.0 + 4.0, 5.0 + 6.0])
-    with pytest.raises(RuntimeError, match="view of another tensor's memory"):
-        tail.mul_(2)
+    with pytest.raises(RuntimeError, match="output of a custom Function that shares the memory"):
+        Tail.apply(w * 1.0).mul_(2)
     h = w * 1.0
     y = pargrad.exp(Identity.apply(h))  # ExpBackward saves its output, not the view
     z = (Identity.apply(h) * 2.0).sum()
@@ -208,3 +209,35 @@ def test_function_sees_the_saved_tensor_check(engine: pargrad.Engine) -> None:
                              r"float64\) is at version 1, but was saved at version 0"):
         y.sum().backward()
     assert x.grad is None
+
+
+class TensorTail(pargrad.Function):
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: Tensor) -> Tensor:
+        return x[1:]  # a Tensor view made in forward
+
+    @staticmethod
+    def backward(ctx: FunctionCtx, g: Tensor) -> np.ndarray:
+        return np.concatenate([[0.0], g.data])
+
+
+def test_a_tensor_view_made_in_forward_is_a_view_of_the_input() -> None:
+    h = pargrad.tensor([1.0, 2.0, 3.0], requires_grad=True) * 1.0
+    out = TensorTail.apply(h)
+    assert out._counter is h._counter and out._view is not None and out._view.base is h
+    w = pargrad.tensor([5.0, 6.0], requires_grad=True)
+    with pytest.raises(RuntimeError, match="output of a custom Function"):
+        out.mul_(w)
+    h.mul_(2.0)  # its base's history changes: recording through it now says so
+    with pytest.raises(RuntimeError, match="apply the Function again"):
+        out * 1.0
+
+
+def test_mark_dirty_bumps_the_version_even_when_apply_refuses() -> None:
+    w = pargrad.tensor([1.0], requires_grad=True)
+    with pytest.raises(RuntimeError, match="leaf tensor that requires grad"):
+        AddOneInPlace.apply(w)
+    assert w.data.tolist() == [2.0] and w._version == 1  # forward did change it
+    h = w * 1.0
+    with pytest.raises(RuntimeError, match="view marked dirty"):
+        AddOneInPlace.apply(h[:1])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dis
 import inspect
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,6 +27,7 @@ from pargrad.grad_mode import is_grad_enabled
 from pargrad.graph import Grad, Node
 from pargrad.tensor import Tensor, check_saved_data, input_edges
 from pargrad.versions import Saved, check, record
+from pargrad.views import view_of
 
 Rule = Callable[..., Any]
 
@@ -62,7 +64,7 @@ class Op:
 
     ``view=True`` (reshape, basic indexing, transpose...) says that the forward may
     return a view of its first argument's memory: an output that is one shares that
-    tensor's version counter and is marked as a view (pargrad/versions.py).
+    tensor's version counter and becomes a view of it (pargrad/views.py).
 
     Calling an op returns a Tensor (``outputs`` returns the tuple of a multi-output op).
     ``doc`` becomes the op's ``__doc__``.
@@ -153,11 +155,11 @@ class Op:
                     break
         tensors = tuple(Tensor._make(o, node, i, on) for i, o in enumerate(outs))
         if self.view and operands and isinstance(operands[0], Tensor):
-            base = operands[0]
-            for t in tensors:
-                if np.may_share_memory(t.data, base.data):
-                    t._counter = base._counter
-                    t._is_view = True
+            source = operands[0]
+            for i, t in enumerate(tensors):
+                if np.may_share_memory(t.data, source.data):
+                    t._counter = source._counter
+                    t._view = view_of(source, (self, params, i))
         if node is not None and node.reads_output:
             node.saved_versions.extend(record("output", tensors))
         return tensors
@@ -168,9 +170,9 @@ def _reads(rule: Rule) -> tuple[bool, frozenset[int] | None]:
     maybe any), from the names its own code loads. Sound, not exact: a name that is
     loaded counts as read, even for its shape only.
     """
-    code = getattr(rule, "__code__", None)
-    if code is None or code.co_flags & inspect.CO_VARARGS:
-        return True, None
+    if not isinstance(rule, types.FunctionType) or rule.__code__.co_flags & inspect.CO_VARARGS:
+        return True, None  # a bound method's names are shifted by self; and so on
+    code = rule.__code__
     names = code.co_varnames[:code.co_argcount]
     loaded = set(code.co_cellvars)  # captured by an inner function: count as read
     for ins in dis.get_instructions(code):

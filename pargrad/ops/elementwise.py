@@ -26,7 +26,7 @@ multiply = defop("multiply", np.multiply,
                  lambda g, ans, x, y: g * x)
 divide = defop("divide", np.divide,
                lambda g, ans, x, y: g / y,
-               lambda g, ans, x, y: -g * ans / y)
+               lambda g, ans, x, y: -g * x / (y * y))  # reads no ans: x /= y stays legal
 negative = defop("negative", np.negative,
                  lambda g, ans, x: -g, needs_values=False)
 

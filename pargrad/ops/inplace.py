@@ -7,10 +7,13 @@ Where a graph is being recorded (grad mode on, and the tensor or the value requi
 grad) the change is differentiable, as in PyTorch: the op runs out of place on a stand-in
 that carries the tensor's old history (and a copy of its old values, if the op's rules
 read them), the result is written into the tensor's memory, and the tensor takes the
-op's node as its ``grad_fn``. Refused while recording, with a clear error: a leaf that
-requires grad (its ``.grad`` would no longer be the gradient of what the graph read),
-and a view made by a view op (the tensor it views would not see the change in its
-history; PyTorch rewrites the viewed tensor's history there, pargrad does not).
+op's node as its ``grad_fn``. A view (pargrad/views.py) passes the change on to its
+base: the base takes a ``CopySlicesBackward`` node (its old value, with the view's
+region replaced by the result), and the view is made again from the new base.
+
+Refused while recording, with a clear error: a leaf that requires grad, or a view of one
+(its ``.grad`` would no longer be the gradient of what the graph read), and a custom
+Function's output that shares an input's memory.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pargrad.ops.core import array_of, defop
 from pargrad.ops.elementwise import astype
 from pargrad.ops.shape import _normalize_index
 from pargrad.tensor import Tensor
+from pargrad.views import Step, refresh, replay, replay_array
 
 
 def _put(x: np.ndarray, value: Any, *, index: tuple[Any, ...]) -> np.ndarray:
@@ -41,12 +45,51 @@ def _zero_at(g: Any, index: tuple[Any, ...]) -> Any:
     return _put(g, 0, index=index)
 
 
-# x[index] = value, out of place. The value's gradient is g[index], summed back to its
-# shape by Node.apply where the value was broadcast.
+def _value_grad(g: Any, value: Any, index: tuple[Any, ...]) -> Any:
+    """The gradient of the value assigned by ``x[index] = value``: ``g[index]``, given the
+    value's leading axes of length one that numpy drops when it assigns (Node.apply then
+    sums away the axes the value was broadcast along)."""
+    region = g[index]
+    shape = tuple(region.shape)
+    extra = len(value.shape) - len(shape)
+    return np.reshape(region, (1,) * extra + shape) if extra > 0 else region
+
+
+# x[index] = value, out of place.
 _setitem = defop("setitem", _put,
                  lambda g, ans, x, value, *, index: _zero_at(g, index),
-                 lambda g, ans, x, value, *, index: g[index],
+                 lambda g, ans, x, value, *, index: _value_grad(g, value, index),
                  needs_values=False)
+
+
+def _copy_slices_forward(base: np.ndarray, value: Any, *, chain: tuple[Step, ...]) -> np.ndarray:
+    out = np.array(base, copy=True)
+    replay_array(out, chain)[...] = value
+    return out
+
+
+def _outside(g: Any, chain: tuple[Step, ...]) -> Any:
+    """``g`` with zeros in the view's region: what the base kept of its old value."""
+    if isinstance(g, Tensor):
+        mask = np.ones(g.shape, g.dtype)
+        replay_array(mask, chain)[...] = 0
+        return g * mask
+    out = np.array(g, copy=True)
+    replay_array(out, chain)[...] = 0
+    return out
+
+
+def _inside(g: Any, chain: tuple[Step, ...]) -> Any:
+    """The view's region of ``g``: the gradient of the view's new value."""
+    return replay(g, chain) if isinstance(g, Tensor) else np.array(replay_array(g, chain))
+
+
+# The base of a view after the view was changed in place: the old base, with the view's
+# region (reached from the base by the view ops of ``chain``) replaced by the new value.
+_copy_slices = defop("copy_slices", _copy_slices_forward,
+                     lambda g, ans, base, value, *, chain: _outside(g, chain),
+                     lambda g, ans, base, value, *, chain: _inside(g, chain),
+                     needs_values=False)
 
 
 def update(t: Tensor, name: str, op: Any, other: Any) -> Tensor:
@@ -56,26 +99,27 @@ def update(t: Tensor, name: str, op: Any, other: Any) -> Tensor:
     be cast to ``t``'s dtype (``same_kind``), RuntimeError where a recorded change is
     refused (module docstring); ``t`` is unchanged then.
     """
-    records = _records(t, other)
-    source = t
-    if records:
-        check_recordable(t, name)
-        source = _standin(t, copy=getattr(op, "needs_values", True))
-        if other is t:
-            other = source
-    result = op(source, other)
-    _write(t, result, name, records)
+    if not _records(t, other):
+        _write(t, op(t, other), name)
+        return t
+    check_recordable(t, name)
+    source = _standin(t, copy=getattr(op, "needs_values", True))
+    _commit(t, op(source, source if other is t else other), name)
     return t
 
 
 def setitem(t: Tensor, index: Any, value: Any, name: str) -> None:
     """``t[index] = value`` in ``t``'s memory, with numpy's indexing and casting."""
+    if name == "fill_" and np.size(array_of(value)) != 1:
+        raise ValueError(f"fill_: the value must be a number or a tensor with one element, "
+                         f"got shape {np.shape(array_of(value))}; use x[...] = value")
     index = _normalize_index(index)
     if _records(t, value):
         check_recordable(t, name)
-        _write(t, _setitem(_standin(t, copy=False), value, index=index), name, True)
+        _commit(t, _setitem(_standin(t, copy=False), value, index=index), name)
         return
     common_device((t, value), name)
+    _check_writeable(t, name)
     try:
         t.data[index] = array_of(value)
     except (ValueError, IndexError, TypeError) as exc:
@@ -86,24 +130,26 @@ def setitem(t: Tensor, index: Any, value: Any, name: str) -> None:
 
 def _records(t: Tensor, other: Any) -> bool:
     return is_grad_enabled() and (
-        t._requires_grad or (isinstance(other, Tensor) and other._requires_grad))
+        t.requires_grad or (isinstance(other, Tensor) and other.requires_grad))
 
 
 def check_recordable(t: Tensor, name: str) -> None:
     """Raise RuntimeError if ``t`` may not be changed in place while recording a graph."""
-    if t.grad_fn is None and t._requires_grad:
+    view = t._view
+    base = t if view is None else view.base
+    if base.grad_fn is None and base._requires_grad:
+        what = "a leaf tensor" if view is None else "a view of a leaf tensor"
         raise RuntimeError(
-            f"{name}: a leaf tensor that requires grad cannot be changed in place while "
-            f"grad mode is on; update it under pargrad.no_grad()"
+            f"{name}: {what} that requires grad cannot be changed in place while grad mode "
+            f"is on; update it under pargrad.no_grad()"
         )
-    if t._is_view:
+    if view is not None and view.chain is None:
         raise RuntimeError(
-            f"{name}: this tensor is a view of another tensor's memory (made by reshape, "
-            f"indexing, transpose...), and changing a view in place while recording a graph "
-            f"is not supported: the tensor it views would not see the change in its "
-            f"history. Change that tensor instead (base[index] = value), or a .copy() of "
-            f"the view, or do it under pargrad.no_grad()"
+            f"{name}: this tensor is an output of a custom Function that shares the memory "
+            f"of an input, and cannot be changed in place while a graph is recorded; change "
+            f"a .copy() of it, or do it under pargrad.no_grad()"
         )
+    refresh(t)
 
 
 def _standin(t: Tensor, copy: bool) -> Tensor:
@@ -111,24 +157,50 @@ def _standin(t: Tensor, copy: bool) -> Tensor:
     return Tensor._make(t.data.copy() if copy else t.data, t.grad_fn, t.output_nr, t.device)
 
 
-def _write(t: Tensor, result: Tensor, name: str, records: bool) -> None:
-    value = result.data
-    if value.shape != t.shape:
+def _fitted(t: Tensor, result: Tensor, name: str) -> Tensor:
+    """``result`` checked to fit ``t`` in place, cast to ``t``'s dtype (recorded)."""
+    if result.shape != t.shape:
         raise ValueError(f"{name}: cannot update a tensor of shape {t.shape} in place with a "
-                         f"result of shape {value.shape}")
-    if value.dtype != t.dtype:
-        if not np.can_cast(value.dtype, t.dtype, "same_kind"):
+                         f"result of shape {result.shape}")
+    if result.dtype != t.dtype:
+        if not np.can_cast(result.dtype, t.dtype, "same_kind"):
             raise TypeError(f"{name}: cannot update a {t.dtype} tensor in place with a "
-                            f"{value.dtype} result")
-        if records:
-            result = astype(result, t.dtype)
+                            f"{result.dtype} result")
+        result = astype(result, t.dtype)
+    return result
+
+
+def _check_writeable(t: Tensor, name: str) -> None:
     if not t.data.flags.writeable:
         raise ValueError(f"{name}: this tensor's memory is read-only (a broadcast_to view, "
                          f"or an array made read-only); change a .copy() instead")
+
+
+def _write(t: Tensor, result: Tensor, name: str) -> None:
+    """Write ``result`` into ``t``'s memory (no graph recorded)."""
+    value = _fitted(t, result, name).data
+    _check_writeable(t, name)
     np.copyto(t.data, value, casting="same_kind")
     t._counter.bump()
-    if records:
+
+
+def _commit(t: Tensor, result: Tensor, name: str) -> None:
+    """Write the recorded ``result`` into ``t``'s memory and give ``t`` its history (a
+    view: give its base the history of the change, then remake the view from it)."""
+    result = _fitted(t, result, name)
+    _check_writeable(t, name)
+    view = t._view
+    if view is None or view.chain is None:
+        np.copyto(t.data, result.data)
+        t._counter.bump()
         rebase(t, result.grad_fn, result.output_nr)
+        return
+    base = view.base
+    new_base = _copy_slices(_standin(base, copy=False), result, chain=view.chain)
+    np.copyto(t.data, result.data)  # the view's region of the base: all that changes
+    t._counter.bump()
+    rebase(base, new_base.grad_fn, new_base.output_nr)
+    refresh(t)
 
 
 def rebase(t: Tensor, grad_fn: Node | None, output_nr: int) -> None:

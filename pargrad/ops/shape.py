@@ -167,6 +167,8 @@ def _normalize_index(index: Any) -> tuple[Any, ...]:
                 item = item.astype(np.intp)  # [] selects nothing, as in numpy
         if isinstance(item, np.ndarray) and item.dtype == bool and item.ndim > 0:
             out.extend(np.nonzero(item))  # add.at needs integer indices
+        elif isinstance(item, np.ndarray):
+            out.append(item.copy())  # the node keeps it: a later change must not reach it
         else:
             out.append(item)
     return tuple(out)
