@@ -25,7 +25,7 @@ import numpy as np
 from pargrad.devices import common_device
 from pargrad.grad_mode import is_grad_enabled
 from pargrad.graph import Node
-from pargrad.ops.core import array_of, defop
+from pargrad.ops.core import Op, array_of, defop
 from pargrad.ops.elementwise import astype
 from pargrad.ops.shape import _normalize_index
 from pargrad.tensor import Tensor
@@ -103,9 +103,21 @@ def update(t: Tensor, name: str, op: Any, other: Any) -> Tensor:
         _write(t, op(t, other), name)
         return t
     check_recordable(t, name)
-    source = _standin(t, copy=getattr(op, "needs_values", True))
+    source = _standin(t, copy=_reads_old_value(op, t, other))
     _commit(t, op(source, source if other is t else other), name)
     return t
+
+
+def _reads_old_value(op: Any, t: Tensor, other: Any) -> bool:
+    """Whether the node of ``op(t, other)`` reads ``t``'s values (then the stand-in needs
+    a copy of them, since ``t``'s memory is about to change)."""
+    if not isinstance(op, Op):
+        return True
+    if not op.needs_values:
+        return False
+    live = int(t.grad_fn is not None) | int(isinstance(other, Tensor) and other.requires_grad) << 1
+    read, _ = op.plan(live)
+    return read is None or 0 in read
 
 
 def setitem(t: Tensor, index: Any, value: Any, name: str) -> None:
