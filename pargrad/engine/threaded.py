@@ -476,18 +476,24 @@ def _home_device(pool: _Pool) -> Device:
 @contextlib.contextmanager
 def _outside(task: GraphTask) -> Iterator[None]:
     """Resolve ``task``'s future as outside its nodes: its done-callbacks run with grad
-    mode on, and a backward they start is not nested in ``task``."""
-    running = _running()
-    popped = bool(running) and running[-1] is task
+    mode on and anomaly mode off (a fresh thread's defaults), the engine of ``task`` no
+    longer current (the one of an enclosing ``use_engine``, or the default), and a
+    backward they start is not nested in ``task``."""
+    running, engines = _running(), _engine_stack()
+    popped = bool(running) and running[-1] is task  # in _process, which pushed both
     if popped:
         running.pop()
-    previous_mode = is_grad_enabled()
+        engine = engines.pop()
+    previous_mode, previous_anomaly = is_grad_enabled(), anomaly.current_mode()
     _set_enabled(True)
+    anomaly.set_mode((False, True))  # anomaly._Mode's defaults
     try:
         yield
     finally:
         _set_enabled(previous_mode)
+        anomaly.set_mode(previous_anomaly)
         if popped:
+            engines.append(engine)
             running.append(task)
 
 
