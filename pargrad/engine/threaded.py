@@ -34,8 +34,10 @@ Guarantees:
   is shut down, or garbage collected, stops them once no backward is in flight. The
   interpreter never waits for them.
 - ``execute_async`` returns a BackwardFuture at once; the workers alone finish the
-  task, a thread waiting in its ``result()`` helps, and a thread inside a node of the
-  task that waits for it gets RuntimeError, not a deadlock (docs/async.md).
+  task, a thread waiting in its ``result()`` or ``cancel()`` helps, and a thread inside
+  a node of the task that waits for it gets RuntimeError, not a deadlock (docs/async.md).
+  A done-callback's exception never ends a worker; ``shutdown(wait=True)`` returns only
+  after every future resolved and its callbacks ran.
 - Deterministic mode with ``create_graph`` runs every node on the calling thread, so that
   the recorded graph, and a second backward through it, are the reference's too.
 
