@@ -6,7 +6,8 @@ All-or-nothing: leaf gradients are committed to ``.grad`` only after the engine 
 finished the whole graph, so a backward that raises leaves every ``.grad`` as it was.
 The one exception, a leaf with post-accumulate-grad hooks, is committed as soon as its
 gradient is final (so that its hooks can run during the backward) and restored if the
-backward then fails.
+backward then fails, unless another backward has committed into that leaf meanwhile
+(then it stays: ``_EarlyCommits.undo``).
 """
 
 from __future__ import annotations
@@ -82,10 +83,13 @@ def backward_async(
     ``future.result()``, which then helps run it. ``SequentialEngine`` runs it to the end
     first and returns a future that is done. The future resolves with None once every
     ``.grad`` is committed; a leaf's post-accumulate-grad hooks run earlier, as soon as
-    its gradient is final, on an engine thread. Bad arguments raise here, as in
-    ``backward``; a failing node's ``BackwardError`` goes to the future, and then, as
-    after ``future.cancel()``, no ``.grad`` is changed. Thread-safe. docs/async.md says
-    what hooks and done-callbacks may do.
+    its gradient is final: on an engine thread, or, for a leaf passed as one of the
+    ``tensors`` itself, on the calling thread inside this call. Bad arguments raise here, as in
+    ``backward``; a failing node's ``BackwardError`` goes to the future (also one raised
+    by the hook of a leaf passed as a root), and then, as after ``future.cancel()``, no
+    ``.grad`` is changed (except: an early commit into a leaf that another backward has
+    committed to since is kept, see ``_EarlyCommits.undo``). Thread-safe. docs/async.md
+    says what hooks and done-callbacks may do.
 
     >>> import pargrad
     >>> x = pargrad.tensor([1.0, 2.0, 3.0], requires_grad=True)
@@ -95,7 +99,11 @@ def backward_async(
     tensor([2., 4., 6.], dtype=float64)
     """
     call = _BackwardCall(tensors, grad_tensors, retain_graph, create_graph, inputs, engine)
-    future = call.engine.execute_async(call.roots, call.grads, **call.options())
+    try:  # a root that is a leaf with hooks is committed early, on this thread
+        future = call.engine.execute_async(call.roots, call.grads, **call.options())
+    except BaseException:
+        call.early.undo()
+        raise
     return future._then(call.commit, call.early.undo)
 
 
@@ -269,6 +277,12 @@ class _EarlyCommits:
         return True
 
     def undo(self) -> None:
+        """Restore the ``.grad`` of each leaf committed early, unless another backward (or
+        a ``.grad`` assignment) has replaced it since: then the early commit stays in it,
+        mixed with the other contribution. Subtracting it back out instead would not
+        restore the value exactly in floating point (nor undo a ``.grad`` a hook set), so
+        a failed or cancelled backward is all-or-nothing only for leaves nobody else
+        committed to meanwhile (docs/async.md)."""
         with grad_lock, self._lock:
             for leaf, before, after in reversed(self._done):
                 if leaf._grad is after:  # else another backward has added to it since

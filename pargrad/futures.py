@@ -11,20 +11,31 @@ Guarantees:
   (error, cancellation). Done-callbacks therefore see the final ``.grad``.
 - ``cancel()`` stops a backward in flight: its nodes not yet started are skipped. It
   returns once the nodes already running have finished, with the future cancelled and
-  no ``.grad`` changed. (A standard Future refuses to cancel a call that is running; a
-  backward can always be stopped between two nodes, so this one can be cancelled until
-  it resolves. The future stays PENDING until then, which is what lets the base class
-  cancel it; ``running()`` says whether the backward is still in flight.)
-- ``result()`` and ``exception()`` may help: on a ThreadedEngine the waiting thread
-  runs ready nodes of its device until the backward is over, so a backward finishes
-  even when every worker is busy (or waits itself).
+  no ``.grad`` changed (but see docs/async.md on a leaf another backward committed to
+  meanwhile). While it waits it helps as ``result()`` does (it takes the skipped nodes
+  off the queue), so it cannot deadlock when it holds the only worker. (A standard
+  Future refuses to cancel a call that is running; a backward can always be stopped
+  between two nodes, so this one can be cancelled until it resolves. The future stays
+  PENDING until then; ``running()`` says whether the backward is still in flight.)
+- ``result()``, ``exception()`` and ``cancel()`` may help: on a ThreadedEngine the
+  waiting thread runs ready nodes of its device until the backward is over, so a
+  backward finishes even when every worker is busy (or waits itself).
+- Waiters (``concurrent.futures.wait``, ``result()``) are woken before the
+  done-callbacks run, also when the future is cancelled, so a callback may wait for the
+  future it was called for. A callback that raises an ``Exception`` is logged, as by any
+  Future; one that raises another ``BaseException`` (``SystemExit``) does not stop the
+  callbacks after it: the first such one is raised again once all have run (the engine
+  reports it through ``threading.excepthook``, and its worker survives).
 - Called from inside a node or hook of the very backward they wait for, ``result()``
   and ``exception()`` raise RuntimeError instead of waiting for themselves forever, and
   ``cancel()`` cancels without waiting (it returns True; the future is cancelled once
   the node it was called from has finished).
 
 Assumptions: no GIL. The state is the base class's (guarded by its condition); ``_work``
-is set in ``__init__`` and read-only after.
+is set in ``__init__`` and read-only after. ``_set_cancelled`` and ``_invoke_callbacks``
+use the base class's private fields (``_condition``, ``_state``, ``_waiters``,
+``_done_callbacks``) as its own ``cancel`` and ``set_running_or_notify_cancel`` do;
+``tests/test_async.py`` checks the behaviour they give.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, wait
+from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED, LOGGER
 from typing import Protocol, TypeVar
 
 T = TypeVar("T")
@@ -78,7 +90,9 @@ class BackwardFuture(Future[T]):
         when called from inside the backward) cancelled, False if it resolved otherwise.
 
         Blocks until the nodes already running have finished, unless called from inside
-        a node or hook of this backward. No ``.grad`` changes; the engine stays usable.
+        a node or hook of this backward; meanwhile it helps as ``result()`` does, so the
+        skipped nodes of the backward are taken off the queue even when the calling
+        thread is the only worker. No ``.grad`` changes; the engine stays usable.
         """
         work = self._work
         if work is None or self.done():
@@ -86,7 +100,8 @@ class BackwardFuture(Future[T]):
         if not work.cancel():
             return False  # over: it resolves with its result or error
         if not work.inside():
-            wait([self])  # cancelled once the nodes running have finished
+            work.wait(None)  # help until the task is over (its skipped nodes drained)
+            wait([self])  # then until the thread that finished it has resolved it
         return True
 
     def result(self, timeout: float | None = None) -> T:
@@ -119,9 +134,33 @@ class BackwardFuture(Future[T]):
 
     # ----- for engines -----
     def _set_cancelled(self) -> None:
-        """Resolve as cancelled (the backward was cancelled and is over)."""
-        Future.cancel(self)
-        self.set_running_or_notify_cancel()  # wakes concurrent.futures.wait and friends
+        """Resolve as cancelled (the backward was cancelled and is over): wake every
+        waiter, ``concurrent.futures.wait`` included, then run the callbacks. (The base
+        class's ``cancel`` runs the callbacks first and leaves waiters of ``wait`` to
+        ``set_running_or_notify_cancel``, so a callback waiting for this future would
+        wait forever.)"""
+        with self._condition:
+            if self._state in (CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED):
+                return
+            self._state = CANCELLED_AND_NOTIFIED
+            for waiter in self._waiters:
+                waiter.add_cancelled(self)
+            self._condition.notify_all()
+        self._invoke_callbacks()
+
+    def _invoke_callbacks(self) -> None:
+        """Run every done-callback, as the base class does (an ``Exception`` is logged),
+        but go on past another ``BaseException`` and raise the first one at the end."""
+        escaped: BaseException | None = None
+        for callback in self._done_callbacks:  # type: ignore[attr-defined]
+            try:
+                callback(self)
+            except Exception:
+                LOGGER.exception("exception calling callback for %r", self)
+            except BaseException as exc:
+                escaped = escaped if escaped is not None else exc
+        if escaped is not None:
+            raise escaped
 
     def _then(self, fn: Callable[[T], U], undo: Callable[[], None]) -> BackwardFuture[U]:
         """A future of ``fn(result)``, computed on the thread that resolves this one;

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import random
 import threading
+import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -68,6 +71,20 @@ def block() -> Iterator[type[Block]]:
     Block.release.clear()
     yield Block
     Block.release.set()  # whatever the test did, nothing stays blocked
+
+
+def release_once_cancelled(future: pargrad.BackwardFuture[Any], block: type[Block]) -> None:
+    """Release the blocked node from a helper thread once ``future``'s backward is
+    cancelled (so a ``cancel()`` that waits for the node is released, and one that does
+    not wait is not raced)."""
+    task = cast(Any, future._work).task
+    assert task is not None
+
+    def release() -> None:
+        task.cancelled.wait(WAIT)
+        block.release.set()
+
+    threading.Thread(target=release, daemon=True).start()
 
 
 class Count(pargrad.Function):
@@ -167,9 +184,11 @@ def test_hooks_fire_once_per_leaf_with_the_final_gradient_before_the_future(
 
     w1.register_post_accumulate_grad_hook(hook("w1"))
     w2.register_post_accumulate_grad_hook(hook("w2"))
+    called = threading.Event()  # waiters are woken before the callbacks run
     future = pargrad.backward_async(mlp_loss(x, w1, w2))
-    future.add_done_callback(lambda f: events.append(("done", None)))
+    future.add_done_callback(lambda f: (events.append(("done", None)), called.set()))
     future.result(timeout=WAIT)
+    assert called.wait(WAIT)
     assert sorted(name for name, _ in events[:2]) == ["w1", "w2"]
     assert [name for name, _ in events[2:]] == ["done"]
     seen = dict(events[:2])
@@ -181,10 +200,12 @@ def test_done_callbacks_may_use_the_same_graph(engine: pargrad.Engine) -> None:
     x = leaf([1.0, 2.0])
     loss = (x * x).sum()
     again: list[Any] = []
+    called = threading.Event()
     future = pargrad.backward_async(loss, retain_graph=True)
-    future.add_done_callback(lambda f: again.append(pargrad.grad(loss, [x])[0]))
+    future.add_done_callback(
+        lambda f: (again.append(pargrad.grad(loss, [x])[0]), called.set()))
     future.result(timeout=WAIT)
-    concurrent.futures.wait([future], timeout=WAIT)
+    assert called.wait(WAIT)  # the callbacks run after result() may return
     np.testing.assert_array_equal(x.grad.data, [2.0, 4.0])
     assert len(again) == 1
     np.testing.assert_array_equal(again[0].data, [2.0, 4.0])
@@ -263,11 +284,13 @@ def test_cancel_stops_the_backward_and_changes_no_grad(threaded: pargrad.Threade
     fired: list[float] = []
     early.register_post_accumulate_grad_hook(lambda t: fired.append(float(t.grad.data[0])))
     Count.runs = 0
-    # Count and x's multiply run only after Block; early's gradient is final before it.
+    # Count and x's multiply run only after Block. Early's branch is newer, so a thread
+    # that keeps both branches (no hand-off) finishes it before Block; with hand-offs,
+    # another thread may not have started it by the cancel.
     loss = Block.apply(Count.apply(x) * 3).sum() + (early * 2).sum()
     future = pargrad.backward_async(loss, engine=threaded)
     assert block.started.wait(WAIT)
-    threading.Timer(0.1, block.release.set).start()
+    release_once_cancelled(future, block)
     assert future.cancel()  # returns once the blocked node has finished
     assert future.cancelled() and future.done() and not future.running()
     with pytest.raises(concurrent.futures.CancelledError):
@@ -275,7 +298,9 @@ def test_cancel_stops_the_backward_and_changes_no_grad(threaded: pargrad.Threade
     assert concurrent.futures.wait([future], timeout=WAIT).done == {future}
     assert Count.runs == 0  # not started: skipped
     np.testing.assert_array_equal(x.grad.data, [7.0, 7.0])
-    assert early.grad is None and fired == [2.0]  # its hook ran; its commit is undone
+    # Its hook ran (or, handed off, was skipped); its commit is undone.
+    assert early.grad is None
+    assert fired == [2.0] if threaded.handoff_threshold > 2 else fired in ([], [2.0])
     assert future.cancel()  # idempotent
     block.release.set()
     (x * 3).sum().backward(engine=threaded)  # the engine still works
@@ -301,7 +326,6 @@ def test_cancel_from_inside_the_backward(threaded: pargrad.ThreadedEngine) -> No
         answers.append(holder[0].cancel())  # must not wait for itself
 
     y.register_post_accumulate_grad_hook(stop)
-    Count.runs = 0
     future = pargrad.backward_async((Count.apply(x) * 2).sum() + (y * 4).sum(),
                                     engine=threaded)
     holder.append(future)
@@ -350,7 +374,10 @@ def test_a_node_may_wait_for_another_backward(block: type[Block]) -> None:
                 return g
 
         x = leaf([1.0])
-        pargrad.backward_async(Waits.apply(x).sum(), engine=engine).result(timeout=WAIT)
+        outer = pargrad.backward_async(Waits.apply(x).sum(), engine=engine)
+        # Not result(): this thread must not help, so the worker alone runs both.
+        assert concurrent.futures.wait([outer], timeout=WAIT).done == {outer}
+        assert outer.exception() is None
         np.testing.assert_array_equal(inner[0].data, [2.0, 4.0])
         np.testing.assert_array_equal(x.grad.data, [1.0])
 
@@ -389,3 +416,328 @@ def test_the_guide_runs() -> None:
     for block in blocks:
         exec(compile(block, "docs/async.md", "exec"), namespace)
     np.testing.assert_array_equal(namespace["x"].grad.data, [2.0, 4.0, 6.0])
+
+
+# ----- review of issue 6: each test failed before its fix -----
+
+class Gate(pargrad.Function):
+    """Identity whose backward says it started and then waits for ``opened``."""
+
+    started = threading.Event()
+    opened = threading.Event()
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> np.ndarray:
+        return x.data.copy()
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> Tensor:
+        Gate.started.set()
+        assert Gate.opened.wait(WAIT), "the test never opened the gate"
+        return g
+
+
+@pytest.fixture
+def gate() -> Iterator[type[Gate]]:
+    Gate.started.clear()
+    Gate.opened.clear()
+    yield Gate
+    Gate.opened.set()
+
+
+@pytest.mark.timeout(3 * WAIT)
+@pytest.mark.parametrize("where", ["node", "done-callback"])
+def test_cancel_helps_when_it_holds_the_only_worker(where: str, gate: type[Gate]) -> None:
+    # The one worker cancels backward A from a node (or done-callback) of backward B
+    # while A's root waits on the queue: cancel() must take it off and skip it itself.
+    with pargrad.ThreadedEngine(workers=1) as engine:
+        x = leaf([1.0, 2.0])
+        loss_a = (x * x).sum()  # older: B (newer) is taken from the queue first
+        target: list[pargrad.BackwardFuture[None]] = []
+        answers: list[bool] = []
+        answered = threading.Event()
+
+        def cancel_a(*_: Any) -> None:
+            answers.append(target[0].cancel())
+            answered.set()
+
+        class CancelsA(pargrad.Function):
+            @staticmethod
+            def forward(ctx: Any, t: Tensor) -> np.ndarray:
+                return t.data.copy()
+
+            @staticmethod
+            def backward(ctx: Any, g: Tensor) -> Tensor:
+                cancel_a()
+                return g
+
+        y = leaf([3.0])
+        loss_b = CancelsA.apply(y).sum() if where == "node" else (y * 2).sum()
+        held = pargrad.backward_async(Gate.apply(leaf([1.0])).sum(), engine=engine)
+        assert gate.started.wait(WAIT)  # the worker is busy: A and B queue up
+        a = pargrad.backward_async(loss_a, engine=engine)
+        target.append(a)
+        b = pargrad.backward_async(loss_b, engine=engine)
+        if where == "done-callback":
+            b.add_done_callback(cancel_a)
+        gate.opened.set()
+        try:
+            assert answered.wait(WAIT), "cancel() never returned"  # nobody else helps
+            assert answers == [True] and a.cancelled() and x.grad is None
+            assert concurrent.futures.wait([b, held], timeout=WAIT).not_done == set()
+        finally:  # a cancel() that does not help is unblocked by this thread's help
+            with contextlib.suppress(concurrent.futures.CancelledError):
+                a.exception(timeout=WAIT)
+
+
+def test_a_hook_of_a_root_leaf_fails_the_future_and_restores_grad(
+        engine: pargrad.Engine) -> None:
+    # The leaves are roots: their early commits and hooks run inside backward_async.
+    a, b = leaf([1.0, 2.0]), leaf([5.0])
+    a.grad = pargrad.tensor([7.0, 7.0])
+    a.register_post_accumulate_grad_hook(lambda t: None)
+
+    def bad(t: Tensor) -> None:
+        raise ValueError("hook of b")
+
+    b.register_post_accumulate_grad_hook(bad)
+    future = pargrad.backward_async([a, b], [np.ones(2), np.ones(1)])
+    error = future.exception(timeout=WAIT)
+    assert isinstance(error, pargrad.BackwardError) and "hook of b" in str(error)
+    np.testing.assert_array_equal(a.grad.data, [7.0, 7.0])
+    assert b.grad is None
+    if isinstance(engine, pargrad.ThreadedEngine):
+        assert engine.statistics().errors >= 1  # counted as a failed backward
+
+
+@pytest.mark.timeout(3 * WAIT)
+def test_a_callback_raising_systemexit_keeps_the_worker(
+        block: type[Block], monkeypatch: pytest.MonkeyPatch) -> None:
+    reported: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: reported.append(args.exc_value))
+    with pargrad.ThreadedEngine(workers=1) as engine:
+        x = leaf([1.0])
+        future = pargrad.backward_async(Block.apply(x).sum(), engine=engine)
+        assert block.started.wait(WAIT)  # the callbacks below run on the worker
+
+        def exits(f: Any) -> None:
+            raise SystemExit("from a callback")
+
+        later = threading.Event()
+        future.add_done_callback(exits)
+        future.add_done_callback(lambda f: later.set())
+        block.release.set()
+        assert later.wait(WAIT)  # the callbacks after it still ran
+        again = pargrad.backward_async((x * 2).sum(), engine=engine)
+        assert concurrent.futures.wait([again], timeout=WAIT).done == {again}  # no help
+        assert [type(e) for e in reported] == [SystemExit]
+        assert all(t.is_alive() for t in engine.threads())
+
+
+def test_shutdown_returns_after_the_future_resolved(block: type[Block]) -> None:
+    # Deterministic create_graph: the task has a thread of its own (pargrad-cpu-async).
+    engine = pargrad.ThreadedEngine(workers=1, deterministic=True)
+    order: list[str] = []
+    task_done = engine._pool.task_done
+
+    def counted() -> None:
+        order.append("task done")
+        task_done()
+
+    engine._pool.task_done = counted  # type: ignore[method-assign]
+    x = leaf([1.0, 2.0])
+    future = pargrad.backward_async(Block.apply(x).sum(), create_graph=True, engine=engine)
+    future.add_done_callback(lambda f: order.append("callback"))
+    assert block.started.wait(WAIT)
+    block.release.set()
+    engine.shutdown(wait=True)
+    assert future.done() and order == ["callback", "task done"]
+    np.testing.assert_array_equal(x.grad.data, [1.0, 1.0])
+    assert engine._pool._helpers and not any(t.is_alive() for t in engine._pool._helpers)
+
+
+@pytest.mark.timeout(3 * WAIT)
+def test_shutdown_waiting_from_a_done_callback_raises(block: type[Block]) -> None:
+    engine = pargrad.ThreadedEngine(workers=1)
+    errors: list[BaseException] = []
+    called = threading.Event()
+
+    def shut(f: Any) -> None:
+        try:
+            engine.shutdown(wait=True)
+        except RuntimeError as exc:
+            errors.append(exc)
+        engine.shutdown(wait=False)  # allowed: it does not wait
+        called.set()
+
+    future = pargrad.backward_async(Block.apply(leaf([1.0])).sum(), engine=engine)
+    assert block.started.wait(WAIT)  # the callback runs on the worker
+    future.add_done_callback(shut)
+    block.release.set()
+    assert called.wait(WAIT)
+    assert len(errors) == 1 and "done-callback" in str(errors[0])
+    engine.shutdown(wait=True)
+    with pytest.raises(RuntimeError, match="shut down"):
+        pargrad.backward_async((leaf([1.0]) * 2).sum(), engine=engine)
+
+
+@pytest.mark.timeout(3 * WAIT)
+def test_async_waits_nested_in_nodes_hand_off_past_the_depth_limit() -> None:
+    from pargrad.engine.threaded import MAX_REENTRANT_DEPTH
+
+    levels = 5 * MAX_REENTRANT_DEPTH  # deeper than one thread's stack allows
+
+    with pargrad.ThreadedEngine(workers=1) as engine:
+        class Nest(pargrad.Function):
+            @staticmethod
+            def forward(ctx: Any, t: Tensor, n: int) -> np.ndarray:
+                ctx.n = n
+                return t.data * 2.0
+
+            @staticmethod
+            def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
+                if ctx.n > 0:
+                    z = leaf([1.0])
+                    with pargrad.enable_grad():
+                        out = Nest.apply(z, ctx.n - 1).sum()
+                    (inner,) = pargrad.grad_async(out, [z], engine=engine).result(timeout=WAIT)
+                    assert inner.data.tolist() == [2.0]
+                return g * 2.0, None
+
+        x = leaf([1.0])
+        (got,) = pargrad.grad_async(Nest.apply(x, levels).sum(), [x],
+                                    engine=engine).result(timeout=WAIT)
+        assert got.data.tolist() == [2.0]
+
+
+@pytest.mark.timeout(3 * WAIT)
+def test_a_cancelled_futures_callback_may_wait_for_it(threaded: pargrad.ThreadedEngine,
+                                                      block: type[Block]) -> None:
+    future = pargrad.backward_async(Block.apply(leaf([1.0])).sum(), engine=threaded)
+    assert block.started.wait(WAIT)
+    seen: list[int] = []
+    called = threading.Event()
+
+    def waits(f: Any) -> None:
+        seen.append(len(concurrent.futures.wait([f], timeout=WAIT).done))
+        called.set()
+
+    future.add_done_callback(waits)
+    release_once_cancelled(future, block)
+    assert future.cancel()
+    assert called.wait(2 * WAIT) and seen == [1]
+
+
+class Slow(pargrad.Function):
+    """Identity whose backward lets ``seconds`` pass: the clock is what is tested."""
+
+    seconds = 0.0
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> np.ndarray:
+        return x.data.copy()
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> Tensor:
+        time.sleep(Slow.seconds)
+        return g
+
+
+def test_result_timeout_returns_after_at_most_one_node(block: type[Block]) -> None:
+    with pargrad.ThreadedEngine(workers=1) as engine:
+        blocked = pargrad.backward_async(Block.apply(leaf([1.0])).sum(), engine=engine)
+        assert block.started.wait(WAIT)  # the one worker is stuck
+        Count.runs = 0
+        y = leaf([1.0])
+        h = y
+        for _ in range(20):
+            h = Count.apply(h)
+        timeout = 0.01
+        Slow.seconds = 5 * timeout  # the deadline has passed once it returns
+        other = pargrad.backward_async(Slow.apply(h).sum(), engine=engine)  # 23 nodes
+        with pytest.raises(concurrent.futures.TimeoutError):
+            blocked.result(timeout=timeout)  # helps: takes other's root, runs Slow
+        assert Count.runs == 0 and not other.done()  # the rest went back on the queue
+        block.release.set()
+        assert other.result(timeout=WAIT) is None and blocked.result(timeout=WAIT) is None
+        assert Count.runs == 20 and y.grad.data.tolist() == [1.0]
+
+
+# ----- minor cases -----
+
+def test_cancel_racing_a_failure_reports_one_outcome() -> None:
+    rng = random.Random(0)
+
+    class Fails(pargrad.Function):
+        @staticmethod
+        def forward(ctx: Any, t: Tensor) -> np.ndarray:
+            return t.data.copy()
+
+        @staticmethod
+        def backward(ctx: Any, g: Tensor) -> Tensor:
+            for _ in range(rng.randrange(3000)):
+                pass
+            raise ValueError("boom")
+
+    for engine in (pargrad.ThreadedEngine(workers=1),
+                   pargrad.ThreadedEngine(workers=4, handoff_threshold=2)):
+        with engine:
+            for _ in range(50):
+                ps = [leaf(np.ones(4) * k) for k in range(4)]
+                ps[0].register_post_accumulate_grad_hook(lambda t: None)
+                ps[0].grad = pargrad.tensor(np.full(4, 5.0))
+                loss = sum(((p * p).sum() for p in ps[1:]), (ps[0] * 3).sum())
+                future = pargrad.backward_async(loss + Fails.apply(ps[1]).sum(),
+                                                engine=engine)
+                for _ in range(rng.randrange(3000)):
+                    pass
+                cancelled = future.cancel()
+                assert future.done() and future.cancelled() == cancelled
+                if not cancelled:
+                    assert isinstance(future.exception(), pargrad.BackwardError)
+                np.testing.assert_array_equal(ps[0].grad.data, np.full(4, 5.0))
+                assert all(p.grad is None for p in ps[1:])
+
+
+def test_a_thread_blocked_in_result_sees_the_cancel(threaded: pargrad.ThreadedEngine,
+                                                    block: type[Block]) -> None:
+    future = pargrad.backward_async(Block.apply(leaf([1.0])).sum(), engine=threaded)
+    assert block.started.wait(WAIT)
+    got: list[BaseException] = []
+
+    def wait_for_it() -> None:
+        try:
+            future.result(timeout=WAIT)
+        except BaseException as exc:
+            got.append(exc)
+
+    waiter = threading.Thread(target=wait_for_it)
+    waiter.start()
+    release_once_cancelled(future, block)
+    assert future.cancel()
+    waiter.join(WAIT)
+    assert not waiter.is_alive()
+    assert len(got) == 1 and isinstance(got[0], concurrent.futures.CancelledError)
+
+
+def test_a_graph_on_another_device_finishes_with_nobody_waiting() -> None:
+    with pargrad.ThreadedEngine(workers={"cpu": 1, "cpu:1": 1}) as engine:
+        x = pargrad.tensor([1.0, 2.0], requires_grad=True, device="cpu:1")
+        future = pargrad.backward_async((x * x).sum(), engine=engine)
+        assert concurrent.futures.wait([future], timeout=WAIT).done == {future}
+        np.testing.assert_array_equal(x.grad.data, [2.0, 4.0])
+
+
+def test_done_callbacks_run_outside_the_backwards_modes(threaded: pargrad.ThreadedEngine,
+                                                       block: type[Block]) -> None:
+    seen: list[Any] = []
+    called = threading.Event()
+    with pargrad.detect_anomaly():
+        future = pargrad.backward_async(Block.apply(leaf([1.0])).sum(), engine=threaded)
+    assert block.started.wait(WAIT)  # the callback runs on an engine thread
+    future.add_done_callback(lambda f: (seen.append((
+        pargrad.is_grad_enabled(), pargrad.is_anomaly_enabled(),
+        pargrad.current_engine() is threaded)), called.set()))
+    block.release.set()
+    assert called.wait(WAIT)
+    assert seen == [(True, False, False)]

@@ -34,8 +34,10 @@ Guarantees:
   is shut down, or garbage collected, stops them once no backward is in flight. The
   interpreter never waits for them.
 - ``execute_async`` returns a BackwardFuture at once; the workers alone finish the
-  task, a thread waiting in its ``result()`` helps, and a thread inside a node of the
-  task that waits for it gets RuntimeError, not a deadlock (docs/async.md).
+  task, a thread waiting in its ``result()`` or ``cancel()`` helps, and a thread inside
+  a node of the task that waits for it gets RuntimeError, not a deadlock (docs/async.md).
+  A done-callback's exception never ends a worker; ``shutdown(wait=True)`` returns only
+  after every future resolved and its callbacks ran.
 - Deterministic mode with ``create_graph`` runs every node on the calling thread, so that
   the recorded graph, and a second backward through it, are the reference's too.
 
@@ -75,9 +77,10 @@ other workers instead of staying on the thread that made it ready."""
 ENGINE_HINT = "; set PARGRAD_ENGINE=sequential to rerun on the reference engine"
 
 # Per-thread state, so no lock: ``pool`` and ``device`` (set in worker and helper
-# threads: the pool and device they work for), ``depth`` (backward calls nested on this
-# thread's stack) and ``running`` (the GraphTasks whose nodes this thread is inside,
-# innermost last: ``_running()``).
+# threads: the pool and device they work for), ``depth`` (backward calls and waits for a
+# future nested on this thread's stack), ``running`` (the GraphTasks whose nodes this
+# thread is inside, innermost last: ``_running()``) and ``resolving`` (the pools whose
+# futures this thread is resolving, so running done-callbacks of: ``_resolving()``).
 _local = threading.local()
 
 
@@ -96,12 +99,13 @@ class _Pool:
 
     def __init__(self, workers: int | Mapping[str | Device, int] | None) -> None:
         self._counts = _worker_counts(workers)
-        # Guards _queues, _threads, _active and _closed.
+        # Guards _queues, _threads, _helpers, _active and _closed.
         self._lock = threading.Lock()
         # Notified when _active drops to zero (shutdown waits for it).
         self.all_tasks_done = threading.Condition(self._lock)
         self._queues: dict[Device, ReadyQueue[NodeTask]] = {}
-        self._threads: list[threading.Thread] = []
+        self._threads: list[threading.Thread] = []  # the workers
+        self._helpers: list[threading.Thread] = []  # helper threads that may be alive
         self._active = 0  # graph tasks started and not yet done
         self._closed = False
 
@@ -121,6 +125,18 @@ class _Pool:
                     thread.start()
                     self._threads.append(thread)
             return found
+
+    def start_helper(self, task: GraphTask, ready: list[Ready], on: Device,
+                     queue: ReadyQueue[NodeTask], name: str) -> None:
+        """Start a helper thread that drives ``task`` (``_help``); ``shutdown(wait=True)``
+        joins it. The task is counted in ``_active`` until it is over, so shutdown cannot
+        miss a helper started for it."""
+        thread = threading.Thread(target=_help, args=(task, ready, on, queue, self),
+                                  name=name, daemon=True)
+        with self._lock:  # started under it, so shutdown never joins one not yet started
+            self._helpers = [t for t in self._helpers if t.is_alive()]
+            self._helpers.append(thread)
+            thread.start()
 
     def task_started(self, nested: bool) -> None:
         """Count a new backward call; refused after shutdown unless ``nested`` (called
@@ -165,7 +181,7 @@ class _Pool:
                     self.all_tasks_done.wait()
             if not self._active:
                 self._close_queues()
-            threads = list(self._threads)
+            threads = self._threads + self._helpers
         if wait:
             for thread in threads:
                 thread.join()
@@ -221,15 +237,17 @@ runs them, so a backward that stays on one thread sums in the reference's order.
 
 
 def _process_item(item: NodeTask, on: Device, *, reraise: bool,
-                  owner: GraphTask | None = None) -> None:
+                  owner: GraphTask | None = None, until: float | None = None) -> None:
     assert item.inputs is not None
     local: Local = [(-item.node.sequence_nr, item.node, item.inputs)]
     item.inputs = None
-    _process(item.task, local, on, reraise=reraise, owner=owner, handed=item.node)
+    _process(item.task, local, on, reraise=reraise, owner=owner, handed=item.node,
+             until=until)
 
 
 def _process(task: GraphTask, local: Local, on: Device, *, reraise: bool,
-             owner: GraphTask | None = None, handed: Node | None = None) -> None:
+             owner: GraphTask | None = None, handed: Node | None = None,
+             until: float | None = None) -> None:
     """Run the nodes on ``local`` and the work they keep, on this thread (see the module
     doc): each node's backward, then the delivery of its gradients along its edges.
 
@@ -238,7 +256,9 @@ def _process(task: GraphTask, local: Local, on: Device, *, reraise: bool,
     the task of the backward this thread is waiting for: an interrupt while running
     another caller's node fails that task with a BackwardError saying so, and reaches
     only this thread's caller as the interrupt itself. ``handed`` is the node this
-    thread took from a ReadyQueue (the others on ``local`` it runs inline).
+    thread took from a ReadyQueue (the others on ``local`` it runs inline). ``until``
+    (a ``time.monotonic()`` deadline, from ``result(timeout)``): once it has passed,
+    the nodes still on ``local`` go back on the ReadyQueue instead of running here.
     """
     engine = task.engine
     assert isinstance(engine, ThreadedEngine)
@@ -256,6 +276,9 @@ def _process(task: GraphTask, local: Local, on: Device, *, reraise: bool,
     deterministic, sinks, wanted = task.deterministic, task.sinks, task.wanted
     try:
         while local:
+            if until is not None and time.monotonic() >= until:
+                _requeue(engine, task, local)
+                return
             _, node, inputs = heapq.heappop(local)
             ready: list[Ready] = []
             interrupt: BaseException | None = None
@@ -323,6 +346,32 @@ def _process(task: GraphTask, local: Local, on: Device, *, reraise: bool,
         _set_enabled(previous_mode)
         anomaly.set_mode(previous_anomaly)
         running.pop()
+
+
+def _requeue(engine: ThreadedEngine, task: GraphTask, local: Local) -> None:
+    """Put the nodes kept on ``local`` on their ReadyQueues (counted already, so the
+    task's count is unchanged), for another thread to run."""
+    assert not task.serial  # its nodes never reach a ReadyQueue, so never a waiter
+    while local:
+        _, node, inputs = heapq.heappop(local)
+        engine._pool.queue(node.device).put(NodeTask(task, node, inputs), task.depth,
+                                            node.sequence_nr)
+
+
+def _resolving() -> list[_Pool]:
+    """The pools whose futures this thread is resolving (running their done-callbacks),
+    innermost last."""
+    resolving: list[_Pool] | None = getattr(_local, "resolving", None)
+    if resolving is None:
+        resolving = _local.resolving = []
+    return resolving
+
+
+def _report(exc: BaseException) -> None:
+    """Report an exception that must not unwind this engine thread, as an uncaught
+    exception of a thread is (``threading.excepthook``; it ignores ``SystemExit``)."""
+    threading.excepthook(threading.ExceptHookArgs(
+        (type(exc), exc, exc.__traceback__, threading.current_thread())))
 
 
 def _running() -> list[GraphTask]:
@@ -429,18 +478,24 @@ def _home_device(pool: _Pool) -> Device:
 @contextlib.contextmanager
 def _outside(task: GraphTask) -> Iterator[None]:
     """Resolve ``task``'s future as outside its nodes: its done-callbacks run with grad
-    mode on, and a backward they start is not nested in ``task``."""
-    running = _running()
-    popped = bool(running) and running[-1] is task
+    mode on and anomaly mode off (a fresh thread's defaults), the engine of ``task`` no
+    longer current (the one of an enclosing ``use_engine``, or the default), and a
+    backward they start is not nested in ``task``."""
+    running, engines = _running(), _engine_stack()
+    popped = bool(running) and running[-1] is task  # in _process, which pushed both
     if popped:
         running.pop()
-    previous_mode = is_grad_enabled()
+        engine = engines.pop()
+    previous_mode, previous_anomaly = is_grad_enabled(), anomaly.current_mode()
     _set_enabled(True)
+    anomaly.set_mode((False, True))  # anomaly._Mode's defaults
     try:
         yield
     finally:
         _set_enabled(previous_mode)
+        anomaly.set_mode(previous_anomaly)
         if popped:
+            engines.append(engine)
             running.append(task)
 
 
@@ -466,16 +521,28 @@ class _AsyncWork:
         return task is not None and _inside(task)
 
     def wait(self, timeout: float | None) -> None:
-        """Run ready work of this thread's device until the task is over (or until
-        ``timeout``, checked between nodes); the task's KeyboardInterrupt semantics are
-        a waiting caller's (module doc)."""
+        """Run ready work of this thread's device until the task is over, or until
+        ``timeout``: checked between nodes, and once it has passed, the nodes this
+        thread kept for itself go back on the ReadyQueue, so it returns at most one node
+        late (the one it was running, with whatever that node waits for). The task's
+        KeyboardInterrupt semantics are a waiting caller's (module doc). Nested in
+        ``MAX_REENTRANT_DEPTH`` backward calls or waits on this thread, it blocks
+        instead while a helper thread with a fresh stack runs ready work, as ``execute``
+        does."""
         task = self.task
         if task is None:
             return
-        queue = self.pool.queue(on := _home_device(self.pool))
+        pool = self.pool
+        queue = pool.queue(on := _home_device(pool))
         deadline = None if timeout is None else time.monotonic() + timeout
+        depth = getattr(_local, "depth", 0)
+        if depth >= MAX_REENTRANT_DEPTH:
+            pool.start_helper(task, [], on, queue, f"pargrad-{on}-reentrant")
+            task.done.wait(timeout)
+            return
         with self._lock:
             self._helping[queue] = self._helping.get(queue, 0) + 1
+        _local.depth = depth + 1
         try:
             while not task.done.is_set():
                 left = None if deadline is None else deadline - time.monotonic()
@@ -483,9 +550,10 @@ class _AsyncWork:
                     return
                 item = queue.get(stop=task.done, timeout=left)
                 if item is not None:
-                    _process_item(item, on, reraise=True, owner=task)
+                    _process_item(item, on, reraise=True, owner=task, until=deadline)
                     del item
         finally:
+            _local.depth = depth
             with self._lock:
                 self._helping[queue] -= 1
                 if not self._helping[queue]:
@@ -616,9 +684,7 @@ class ThreadedEngine(Engine):
                 blas.limit(max(1, available_cores() // (pool.workers(CPU) + 1)))
                 limited = True
             if depth >= MAX_REENTRANT_DEPTH:
-                helper = threading.Thread(target=_help, args=(task, ready, on, queue, pool),
-                                          name=f"pargrad-{on}-reentrant", daemon=True)
-                helper.start()
+                pool.start_helper(task, ready, on, queue, f"pargrad-{on}-reentrant")
                 task.done.wait()
             else:
                 _local.depth = depth + 1
@@ -661,28 +727,38 @@ class ThreadedEngine(Engine):
         counters = self._counters
 
         def on_done(task: GraphTask) -> None:
-            pool.task_done()
-            queue.wake_all()  # a thread helping in result() may wait on it
+            queue.wake_all()  # a thread helping in result() or cancel() may wait on it
             work.wake_helpers()
             error = task.error
             counters.task_ended(failed=error is not None)
-            with _outside(task):
-                if task.was_cancelled:
-                    future._set_cancelled()
-                elif error is not None:
-                    future.set_exception(_with_hint(error))
-                else:
-                    future.set_result(task.captured())
-            work.task = None  # the future no longer holds the graph alive
+            resolving = _resolving()
+            resolving.append(pool)  # shutdown(wait=True) from a callback would self-wait
+            try:
+                with _outside(task):
+                    if task.was_cancelled:
+                        future._set_cancelled()
+                    elif error is not None:
+                        future.set_exception(_with_hint(error))
+                    else:
+                        future.set_result(task.captured())
+            except BaseException as exc:  # a done-callback's SystemExit: all callbacks ran
+                if getattr(_local, "pool", None) is not pool:
+                    raise  # a caller's thread (helping, or starting): it gets it
+                _report(exc)  # an engine thread survives it
+            finally:
+                resolving.pop()
+                work.task = None  # the future no longer holds the graph alive
+                pool.task_done()  # last: shutdown(wait=True) returns after the future resolved
 
         # Not a reentrant backward even when a node starts it: that node does not wait.
         task, ready = self._begin(roots, grads, retain_graph=retain_graph,
                                   create_graph=create_graph, inputs=inputs, on_kept=on_kept,
                                   parent=None, nested=_current_task() is not None,
                                   on_done=on_done, work=work)
+        if task.done.is_set():  # nothing to run (every root a sink), or start failed
+            return future
         if task.serial:  # every node on one thread, in the reference's order
-            threading.Thread(target=_help, args=(task, ready, on, queue, pool),
-                             name=f"pargrad-{on}-async", daemon=True).start()
+            pool.start_helper(task, ready, on, queue, f"pargrad-{on}-async")
         else:
             for node, gathered in ready:
                 pool.queue(node.device).put(NodeTask(task, node, gathered), task.depth,
@@ -696,7 +772,9 @@ class ThreadedEngine(Engine):
                work: _AsyncWork | None = None) -> tuple[GraphTask, list[Ready]]:
         """Count a new backward call in the pool, make its GraphTask (``work.task``, if
         given, before any thread can see it) and deliver the root gradients; returns the
-        task and its ready roots. Raises after shutdown, or what the roots raise."""
+        task and its ready roots. Raises after shutdown. An ``Exception`` of delivering to
+        the roots (a hook of a leaf that is a root) fails the task as a node's would: it
+        is over (``on_done`` called) when this returns."""
         pool = self._pool
         pool.task_started(nested=nested)  # raises after shutdown
         previous_mode = is_grad_enabled()
@@ -710,7 +788,12 @@ class ThreadedEngine(Engine):
             if work is not None:
                 work.task = task
             _set_enabled(create_graph)
-            return task, task.start()
+            try:
+                return task, task.start()
+            except Exception as exc:
+                task.fail(exc)
+                task.finish([], finished=0)  # nothing was counted: the task is over
+                return task, []
         except BaseException:
             if task is None or not task.done.is_set():  # else on_done counted it already
                 pool.task_done()  # nothing of the task was published
@@ -721,11 +804,20 @@ class ThreadedEngine(Engine):
     def shutdown(self, wait: bool = True) -> None:
         """Stop the workers; later backward calls on this engine raise RuntimeError.
 
-        With ``wait`` (the default), first let the backward calls in flight finish and
-        then join the workers. Must not be called from inside a backward.
+        With ``wait`` (the default), first let the backward calls in flight finish (their
+        futures resolved, done-callbacks run) and then join the workers and helper
+        threads. Raises RuntimeError from inside a backward, and with ``wait`` from a
+        done-callback of this engine's futures (it would wait for itself; use
+        ``wait=False`` there).
         """
         if _current_task() is not None:
             raise RuntimeError("ThreadedEngine.shutdown() called from inside a backward")
+        if wait and self._pool in _resolving():
+            raise RuntimeError(
+                "ThreadedEngine.shutdown(wait=True) called from a done-callback of one of "
+                "its futures: it would wait for that backward to end; call "
+                "shutdown(wait=False) there, or shut down from outside the callback"
+            )
         self._pool.shutdown(wait)
 
     def __enter__(self) -> ThreadedEngine:
