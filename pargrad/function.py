@@ -31,7 +31,7 @@ from pargrad.devices import Device, common_device
 from pargrad.grad_mode import is_grad_enabled, no_grad
 from pargrad.graph import BackwardError, Grad, Node
 from pargrad.tensor import Tensor, check_saved_data, input_edges
-from pargrad.versions import Saved, check, record
+from pargrad.versions import Saved, check, counter_of, record
 from pargrad.views import view_of
 
 
@@ -47,7 +47,7 @@ class FunctionCtx:
         self.needs_input_grad = needs_input_grad
         self._saved: tuple[Any, ...] | None = ()
         self._saved_arrays: tuple[Any, ...] = ()
-        self._versions: list[Saved] = []  # recorded by apply, after forward
+        self._versions: Saved = ()  # recorded by apply, after forward
         self._dirty: tuple[Tensor, ...] = ()
         self._non_differentiable: tuple[Any, ...] = ()
         self._materialize_grads = True
@@ -76,7 +76,7 @@ class FunctionCtx:
                 "to backward through this graph more than once"
             )
         check_saved_data(self._saved, self._saved_arrays, "saved tensor")
-        check(self._node_name, self._versions)
+        check(self._node_name, self._versions, "saved tensor")
         return self._saved
 
     def mark_dirty(self, *tensors: Tensor) -> None:
@@ -172,7 +172,7 @@ class Function:
             result = cls.forward(ctx, *args, **kwargs)
         for t in ctx._dirty:  # forward changed their memory, whatever happens next
             if isinstance(t, Tensor):
-                t._counter.bump()
+                counter_of(t).bump()
         several = isinstance(result, tuple)
         results = result if several else (result,)
         arrays = [np.asarray(r.data if isinstance(r, Tensor) else r) for r in results]
@@ -184,7 +184,7 @@ class Function:
             node = FunctionNode(cls, ctx, args, arrays, on)
         outputs = tuple(_output(ctx, node, i, r, a, args, on)
                         for i, (r, a) in enumerate(zip(results, arrays)))
-        ctx._versions = record("saved tensor", ctx._saved or ())
+        ctx._versions = record(ctx._saved or ())
         return outputs if several else outputs[0]
 
 
@@ -219,10 +219,10 @@ def _output(ctx: FunctionCtx, node: Node | None, i: int, result: Any, array: np.
         return result
     out = Tensor._make(array, node if differentiable else None, i, on)
     if isinstance(result, Tensor):  # an input returned unchanged, or a Tensor forward made
-        out._counter = result._counter
+        out._counter = counter_of(result)
     for a in args:  # sharing an input's memory: a view of it, without a chain to replay
         if isinstance(a, Tensor) and np.may_share_memory(array, a.data):
-            out._counter, out._view = a._counter, view_of(a, None)
+            out._counter, out._view = counter_of(a), view_of(a, None)
             break
     return out
 

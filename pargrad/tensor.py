@@ -19,7 +19,7 @@ from pargrad.devices import CPU, Device
 from pargrad.devices import device as as_device
 from pargrad.graph import AccumulateGrad, Edge, Meta, Node
 from pargrad.hooks import Hook, NodeHooks, RemovableHandle
-from pargrad.versions import VersionCounter
+from pargrad.versions import VersionCounter, counter_of
 from pargrad.views import View, refresh
 
 if TYPE_CHECKING:
@@ -66,7 +66,8 @@ class Tensor:
     _grad: Tensor | None  # guarded by grad_lock
     _accumulator: weakref.ref[AccumulateGrad] | None  # guarded by _accumulator_lock
     _hooks: NodeHooks | None  # a leaf's hooks, shared with its accumulator; same lock
-    _counter: VersionCounter  # shared with every tensor viewing the same memory
+    # Shared with every tensor viewing the same memory; made on first use (counter_of).
+    _counter: VersionCounter | None
     _view: View | None  # set on a view of another tensor's memory (pargrad/views.py)
 
     def __init__(
@@ -83,7 +84,7 @@ class Tensor:
         self._grad = None
         self._accumulator = None
         self._hooks = None
-        self._counter = VersionCounter()
+        self._counter = None
         self._view = None
 
     @classmethod
@@ -106,7 +107,7 @@ class Tensor:
         t._grad = None
         t._accumulator = None
         t._hooks = None
-        t._counter = VersionCounter()
+        t._counter = None
         t._view = None
         return t
 
@@ -175,14 +176,14 @@ class Tensor:
         the graph (an in-place change to either is seen by both, and by the checks of
         nodes that saved this tensor)."""
         leaf = Tensor._make(self.data, device=self._device)
-        leaf._counter = self._counter
+        leaf._counter = counter_of(self)
         return leaf
 
     @property
     def _version(self) -> int:
         """How many times this tensor's memory was changed in place (as PyTorch's
         ``Tensor._version``); shared by the tensors that view the same memory."""
-        return self._counter.value
+        return 0 if self._counter is None else self._counter.value
 
     @property
     def device(self) -> Device:
@@ -635,14 +636,15 @@ def input_edges(args: Sequence[Any]) -> tuple[tuple[Edge, ...], tuple[Meta | Non
     edges: list[Edge] = []
     metas: list[Meta | None] = []
     for a in args:
-        if isinstance(a, Tensor) and a._view is not None:
-            refresh(a)
-        if isinstance(a, Tensor) and a._requires_grad:
-            edges.append(a._edge())
-            metas.append((a.shape, a.dtype))
-        else:
-            edges.append((None, 0))
-            metas.append(None)
+        if isinstance(a, Tensor):
+            if a._view is not None:
+                refresh(a)  # a view whose base changed may require grad now
+            if a._requires_grad:
+                edges.append(a._edge())
+                metas.append((a.data.shape, a.data.dtype))
+                continue
+        edges.append((None, 0))
+        metas.append(None)
     return tuple(edges), tuple(metas)
 
 

@@ -1,19 +1,22 @@
 """Version counters: how a node notices that a tensor it saved was changed in place.
 
-Every Tensor holds a ``VersionCounter``. An in-place operation (``add_``, ``x[i] = v``,
-``+=``...) bumps it; tensors that share memory (``detach``, and the views made by
-``reshape``, basic indexing, ``transpose``...) share one counter, so a change through any
-of them is seen by all. A node that saves tensors for its backward records their
-versions with ``record`` and calls ``check`` before it reads the saved values.
+Every Tensor has a ``VersionCounter`` (made on first use). An in-place operation
+(``add_``, ``x[i] = v``, ``+=``...) bumps it; tensors that share memory (``detach``, and
+the views made by ``reshape``, basic indexing, ``transpose``...) share one counter, so a
+change through any of them is seen by all. A node that saves tensors for its backward
+records their versions with ``record`` and calls ``check`` before it reads the saved
+values.
 
-The counters are not locked: a counter changes only when the tensor's memory is
-written, and writing a tensor on one thread while another thread reads it (a backward
-included) is a data race on the array itself, which no lock on the counter would make
-safe. The check catches every in-place change that happens before the node runs.
+The counters are not locked (their lazy creation aside): a counter changes only when the
+tensor's memory is written, and writing a tensor on one thread while another thread
+reads it (a backward included) is a data race on the array itself, which no lock on the
+counter would make safe. The check catches every in-place change that happens before the
+node runs.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -32,32 +35,58 @@ class VersionCounter:
         self.value += 1
 
 
-Saved = tuple[str, int, VersionCounter, int, Any]
-"""What a node keeps of one saved tensor: what it is to the node (``"argument"``,
-``"output"``, ``"saved tensor"``) and its index, its counter, the version it had when
-saved, and its array (for the shape and dtype in the error message)."""
+# Guards the lazy creation of every tensor's counter (Tensor._counter), so that two
+# threads saving one tensor at once share one counter. Reads take no lock: a counter,
+# once set, is never replaced (except on a tensor no other thread sees yet).
+_lock = threading.Lock()
 
 
-def record(kind: str, tensors: Iterable[object]) -> list[Saved]:
-    """The versions of the Tensors among ``tensors`` now, each labelled by its index."""
+def counter_of(tensor: Any) -> VersionCounter:
+    """The version counter of ``tensor``, made on first use: most tensors are never
+    saved nor changed in place, and a counter for each would only feed the garbage
+    collector."""
+    counter: VersionCounter | None = tensor._counter
+    if counter is None:
+        with _lock:
+            counter = tensor._counter
+            if counter is None:
+                counter = tensor._counter = VersionCounter()
+    return counter
+
+
+Saved = tuple[Any, ...]
+"""What a node keeps of the tensors it saved, flat (one object, for the garbage
+collector's sake): ``(where, counter, version, array)`` per tensor, ``where`` being ``i``
+for argument (or saved tensor) ``i`` and ``-1 - i`` for output ``i``, ``version`` the
+version when saved, and ``array`` the saved array (for the error message)."""
+
+
+def record(tensors: Iterable[object]) -> Saved:
+    """The versions of the Tensors among ``tensors`` now, by their index."""
     from pargrad.tensor import Tensor
 
-    return [(kind, i, t._counter, t._counter.value, t.data)
-            for i, t in enumerate(tensors) if isinstance(t, Tensor)]
+    saved: list[Any] = []
+    for i, t in enumerate(tensors):
+        if isinstance(t, Tensor):
+            counter = counter_of(t)
+            saved += (i, counter, counter.value, t.data)
+    return tuple(saved)
 
 
-def check(node_name: str, saved: Iterable[Saved]) -> None:
+def check(node_name: str, saved: Saved, kind: str = "argument") -> None:
     """Raise ``BackwardError`` naming ``node_name`` if a saved tensor's version moved on.
 
-    The message names the saved tensor (what it is, its index, shape and dtype) and both
-    versions.
+    The message names the saved tensor (``kind`` and index, or output and index; shape,
+    dtype) and both versions.
     """
-    for kind, i, counter, version, array in saved:
+    for k in range(0, len(saved), 4):
+        where, counter, version, array = saved[k:k + 4]
         if counter.value != version:
+            what = f"{kind} {where}" if where >= 0 else f"output {-1 - where}"
             raise BackwardError(
                 node_name,
                 f"one of the tensors saved for its backward was changed by an in-place "
-                f"operation: {kind} {i} (shape {array.shape}, dtype {array.dtype}) is at "
+                f"operation: {what} (shape {array.shape}, dtype {array.dtype}) is at "
                 f"version {counter.value}, but was saved at version {version}. Change it "
                 f"only after the backward that needs it, or change a .copy() instead",
             )

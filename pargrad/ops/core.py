@@ -26,7 +26,7 @@ from pargrad.devices import Device, common_device
 from pargrad.grad_mode import is_grad_enabled
 from pargrad.graph import Grad, Node
 from pargrad.tensor import Tensor, check_saved_data, input_edges
-from pargrad.versions import Saved, check, record
+from pargrad.versions import Saved, check, counter_of
 from pargrad.views import view_of
 
 Rule = Callable[..., Any]
@@ -156,13 +156,23 @@ class Op:
         tensors = tuple(Tensor._make(o, node, i, on) for i, o in enumerate(outs))
         if self.view and operands and isinstance(operands[0], Tensor):
             source = operands[0]
+            owner = _owner(source.data)
             for i, t in enumerate(tensors):
-                if np.may_share_memory(t.data, source.data):
-                    t._counter = source._counter
+                if _owner(t.data) is owner:  # a view of the source's memory
+                    t._counter = counter_of(source)
                     t._view = view_of(source, (self, params, i))
         if node is not None and node.reads_output:
-            node.saved_versions.extend(record("output", tensors))
+            saved: list[Any] = []
+            for i, t in enumerate(tensors):
+                counter = counter_of(t)
+                saved += (-1 - i, counter, counter.value, t.data)
+            node.saved_versions += tuple(saved)
         return tensors
+
+
+def _owner(array: np.ndarray) -> Any:
+    """The object that owns ``array``'s memory (numpy points every view at it)."""
+    return array if array.base is None else array.base
 
 
 def _reads(rule: Rule) -> tuple[bool, frozenset[int] | None]:
@@ -282,18 +292,21 @@ class OpNode(Node):
         arrays = tuple(array_of(a) for a in args)
         # The versions of the tensors whose values the rules that will run read:
         # arguments now, outputs (Op.outputs) once their tensors exist.
-        self.saved_versions: list[Saved] = []
+        self.saved_versions: Saved = ()
         self.reads_output = False
         if op.needs_values:
             self.saved_args: tuple[Any, ...] | None = args
             self.saved_arrays: tuple[Any, ...] | None = arrays
             self.saved_outputs: tuple[np.ndarray, ...] | None = outs
-            read, self.reads_output = op.plan(live)
+            plan = op._plans.get(live) or op.plan(live)
+            read, self.reads_output = plan
+            saved: list[Any] = []
             for i in range(len(args)) if read is None else read:
                 a = args[i]
                 if isinstance(a, Tensor):
-                    counter = a._counter
-                    self.saved_versions.append(("argument", i, counter, counter.value, a.data))
+                    counter = a._counter or counter_of(a)
+                    saved += (i, counter, counter.value, a.data)
+            self.saved_versions = tuple(saved)
         else:
             self.saved_args = None
             self.saved_arrays = tuple(ShapeOf(a) if isinstance(a, np.ndarray) else a
@@ -307,7 +320,7 @@ class OpNode(Node):
         if not self.op.needs_values:
             return False
         self.saved_args = self.saved_arrays = self.saved_outputs = None
-        self.saved_versions = []
+        self.saved_versions = ()
         return True
 
     def backward(self, grads: tuple[Grad, ...]) -> list[Grad | None]:

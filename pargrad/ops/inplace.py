@@ -29,6 +29,7 @@ from pargrad.ops.core import Op, array_of, defop
 from pargrad.ops.elementwise import astype
 from pargrad.ops.shape import _normalize_index
 from pargrad.tensor import Tensor
+from pargrad.versions import counter_of
 from pargrad.views import Step, refresh, replay, replay_array
 
 
@@ -137,7 +138,7 @@ def setitem(t: Tensor, index: Any, value: Any, name: str) -> None:
     except (ValueError, IndexError, TypeError) as exc:
         raise type(exc)(f"{name}: {exc} (tensor of shape {t.shape} and dtype "
                         f"{t.dtype})") from exc
-    t._counter.bump()
+    counter_of(t).bump()
 
 
 def _records(t: Tensor, other: Any) -> bool:
@@ -193,7 +194,7 @@ def _write(t: Tensor, result: Tensor, name: str) -> None:
     value = _fitted(t, result, name).data
     _check_writeable(t, name)
     np.copyto(t.data, value, casting="same_kind")
-    t._counter.bump()
+    counter_of(t).bump()
 
 
 def _commit(t: Tensor, result: Tensor, name: str) -> None:
@@ -204,13 +205,13 @@ def _commit(t: Tensor, result: Tensor, name: str) -> None:
     view = t._view
     if view is None or view.chain is None:
         np.copyto(t.data, result.data)
-        t._counter.bump()
+        counter_of(t).bump()
         rebase(t, result.grad_fn, result.output_nr)
         return
     base = view.base
     new_base = _copy_slices(_standin(base, copy=False), result, chain=view.chain)
     np.copyto(t.data, result.data)  # the view's region of the base: all that changes
-    t._counter.bump()
+    counter_of(t).bump()
     rebase(base, new_base.grad_fn, new_base.output_nr)
     refresh(t)
 
