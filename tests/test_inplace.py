@@ -465,6 +465,34 @@ def test_dividing_then_scaling_in_place(engine: pargrad.Engine) -> None:
     y.sum().backward()
     np.testing.assert_allclose(b.grad.data, -3.0 * a.data / b.data ** 2)
 
+
+@pytest.mark.timeout(60)
+def test_threads_saving_one_leaf_share_its_counter() -> None:
+    """The counter is made on first use, under a lock: graphs recorded at once on one
+    shared leaf all see a later in-place change of it."""
+    leaf = pargrad.tensor([1.0, 2.0], requires_grad=True)
+    barrier = threading.Barrier(8)
+    losses: list[Tensor] = []
+    lock = threading.Lock()
+
+    def record() -> None:
+        barrier.wait()
+        other = pargrad.tensor([3.0, 4.0], requires_grad=True)
+        loss = (leaf * other).sum()  # other's gradient reads leaf
+        with lock:
+            losses.append(loss)
+
+    threads = [threading.Thread(target=record) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    with pargrad.no_grad():
+        leaf.add_(1)
+    for loss in losses:
+        with pytest.raises(pargrad.BackwardError, match=r"argument 0 .* at version 1"):
+            loss.backward()
+
 OPS = ["add_", "sub_", "mul_", "div_", "setitem", "fill_", "view_mul_", "slice_iadd"]
 
 
