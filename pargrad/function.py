@@ -209,13 +209,11 @@ def _check_dirty(name: str, dirty: tuple[Tensor, ...], args: tuple[Any, ...],
 def _output(ctx: FunctionCtx, node: Node | None, i: int, result: Any, array: np.ndarray,
             args: tuple[Any, ...], on: Device) -> Tensor:
     """Output ``i`` of ``Function.apply``: ``result`` as ``forward`` returned it."""
-    from pargrad.ops.inplace import rebase
-
     differentiable = (node is not None and array.dtype.kind == "f"
                       and not any(result is n for n in ctx._non_differentiable))
     if any(result is t for t in ctx._dirty):  # changed in place: the input itself
         if differentiable:
-            rebase(result, node, i)
+            result._rebase(node, i)
         return result
     out = Tensor._make(array, node if differentiable else None, i, on)
     if isinstance(result, Tensor):  # an input returned unchanged, or a Tensor forward made

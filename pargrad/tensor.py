@@ -127,6 +127,8 @@ class Tensor:
     @property
     def is_leaf(self) -> bool:
         """True for tensors made by the user (no ``grad_fn``)."""
+        if self._view is not None:
+            refresh(self)
         return self.grad_fn is None
 
     @property
@@ -209,12 +211,24 @@ class Tensor:
     def _edge(self) -> Edge:
         """The edge a new node should hold to send this tensor its gradient."""
         if self._view is not None:
-            refresh(self)
+            refresh(self, recording=True)
         if self.grad_fn is not None:
             return (self.grad_fn, self.output_nr)
         if self._requires_grad:
             return (self._grad_accumulator(), 0)
         return (None, 0)
+
+    def _rebase(self, grad_fn: Node | None, output_nr: int) -> None:
+        """Give this non-leaf (or constant) tensor the history ``(grad_fn, output_nr)``,
+        after an in-place change: a ``retain_grad`` mark moves along; tensor hooks stay
+        where they were (they see the gradient of the old value, as in PyTorch)."""
+        old, old_nr = self.grad_fn, self.output_nr
+        self.grad_fn, self.output_nr = grad_fn, output_nr
+        self._requires_grad = grad_fn is not None
+        hooks = None if old is None else old._hooks
+        if hooks is not None and old_nr in hooks.retains and grad_fn is not None:
+            hooks.release(old_nr)
+            grad_fn._hooks_made().retain(output_nr, self)
 
     def _grad_accumulator(self) -> AccumulateGrad:
         # The graph holds the accumulator strongly and the leaf only weakly (as in
@@ -244,7 +258,7 @@ class Tensor:
         tensor([20., 40.], dtype=float64)
         >>> handle.remove()
         """
-        self._check_requires_grad("register a hook on")
+        self._check_requires_grad("register a hook on")  # (remakes a stale view first)
         if self.grad_fn is not None:
             return self.grad_fn._hooks_made().add("tensor", hook, self.output_nr)
         return self._leaf_hooks().add("tensor", hook)
@@ -275,11 +289,13 @@ class Tensor:
     @property
     def retains_grad(self) -> bool:
         """Whether ``retain_grad()`` was called on this non-leaf tensor."""
+        if self._view is not None:
+            refresh(self)
         hooks = None if self.grad_fn is None else self.grad_fn._hooks
         return hooks is not None and self.output_nr in hooks.retains
 
     def _check_requires_grad(self, what: str) -> None:
-        if not self._requires_grad:
+        if not self.requires_grad:
             raise RuntimeError(f"cannot {what} a tensor that does not require grad; make it "
                                f"with requires_grad=True")
 
@@ -638,7 +654,7 @@ def input_edges(args: Sequence[Any]) -> tuple[tuple[Edge, ...], tuple[Meta | Non
     for a in args:
         if isinstance(a, Tensor):
             if a._view is not None:
-                refresh(a)  # a view whose base changed may require grad now
+                refresh(a, recording=True)  # a view whose base changed may require grad now
             if a._requires_grad:
                 edges.append(a._edge())
                 metas.append((a.data.shape, a.data.dtype))

@@ -10,8 +10,10 @@ its input's memory makes the output a view. It shares the base's version counter
   a ``CopySlicesBackward`` node (its old value with the view's region replaced by the new
   one), and the view is made again from the new base (pargrad/ops/inplace.py);
 - a view made before its base's history changed is made again from the base the next
-  time a graph is recorded through it (``refresh``), so it never hands out a stale
-  gradient path.
+  time it is used (``refresh``: recorded through, asked for ``requires_grad`` or
+  ``is_leaf``, given a hook or ``retain_grad``), so it never hands out a stale gradient
+  path. So is a view made under ``no_grad`` of a base that requires grad, when it is
+  changed in place with grad mode on.
 
 An output of a custom Function that shares an input's memory is a view without a chain:
 it can be changed in place only while no graph is recorded, and recording through it
@@ -57,13 +59,19 @@ def view_of(source: Tensor, step: Step | None) -> View:
     return View(view.base, chain)
 
 
-def refresh(t: Tensor) -> None:
-    """If ``t`` is a view whose base's history changed since ``t``'s was made, make its
-    history again from the base. Raises RuntimeError for a Function's output."""
+def refresh(t: Tensor, *, recording: bool = False, force: bool = False) -> None:
+    """If ``t`` is a view whose base's history changed since ``t``'s was made (or if
+    ``force``), make its history again from the base; a ``retain_grad`` mark moves along.
+
+    A Function's output has no chain to replay: recording through it (``recording``)
+    after its base's history changed raises RuntimeError; elsewhere it stays as it is.
+    """
     view = t._view
-    if view is None or view.base.grad_fn is view.base_grad_fn:
+    if view is None or (view.base.grad_fn is view.base_grad_fn and not force):
         return
     if view.chain is None:
+        if not recording:
+            return
         raise RuntimeError(
             "this tensor is an output of a custom Function that shares the memory of an "
             "input, and that input was changed in place since (its history changed), so "
@@ -71,8 +79,7 @@ def refresh(t: Tensor) -> None:
         )
     with enable_grad():
         fresh = replay(view.base, view.chain)
-    t.grad_fn, t.output_nr = fresh.grad_fn, fresh.output_nr
-    t._requires_grad = fresh._requires_grad
+    t._rebase(fresh.grad_fn, fresh.output_nr)
     view.base_grad_fn = view.base.grad_fn
 
 

@@ -212,6 +212,7 @@ class Slow(pargrad.Function):
     """Identity whose backward waits for ``gate`` (if set) and may run a nested backward."""
 
     gate: threading.Event | None = None
+    entered = threading.Event()  # set when a backward reaches the gate
     nested = False
 
     @staticmethod
@@ -221,6 +222,7 @@ class Slow(pargrad.Function):
     @staticmethod
     def backward(ctx: object, g: pargrad.Tensor) -> pargrad.Tensor:
         if Slow.gate is not None:
+            Slow.entered.set()
             Slow.gate.wait(10)
         if Slow.nested:
             inner = pargrad.tensor(np.ones(2), requires_grad=True)
@@ -238,7 +240,9 @@ def test_shutdown_lets_backward_calls_in_flight_finish(wait: bool) -> None:
     try:
         loss = pargrad.stack([Slow.apply(x * 2.0).sum(), Slow.apply(x * 3.0).sum()]).sum()
         caller = threading.Thread(target=lambda: loss.backward(engine=engine))
+        Slow.entered.clear()
         caller.start()
+        assert Slow.entered.wait(10)  # the backward is in flight before shutdown starts
         stopper = threading.Thread(target=engine.shutdown, args=(wait,))
         stopper.start()
         stopper.join(0.3)

@@ -466,6 +466,62 @@ def test_dividing_then_scaling_in_place(engine: pargrad.Engine) -> None:
     np.testing.assert_allclose(b.grad.data, -3.0 * a.data / b.data ** 2)
 
 
+
+def test_a_view_made_under_no_grad_changed_with_grad_on(engine: pargrad.Engine) -> None:
+    x = pargrad.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    h = x * 2.0
+    with pargrad.no_grad():
+        v = h[0:2]
+    assert not v.requires_grad
+    v.mul_(3.0)  # recorded: the view is made again from h first
+    assert h.grad_fn.name() == "CopySlicesBackward"
+    h.sum().backward()
+    np.testing.assert_array_equal(x.grad.data, [6.0, 6.0, 2.0])
+
+
+def test_stale_views_are_remade_for_hooks_and_retain_grad(engine: pargrad.Engine) -> None:
+    x = pargrad.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    h = x * 1.0
+    v = h[0:3]
+    h.mul_(2.0)
+    v.retain_grad()  # on the remade view: it sees the gradient of v = 2x
+    seen: list[np.ndarray] = []
+    v.register_hook(lambda g: seen.append(g.data.copy()))
+    (v * v).sum().backward()
+    np.testing.assert_array_equal(v.grad.data, [4.0, 8.0, 12.0])
+    np.testing.assert_array_equal(seen[0], [4.0, 8.0, 12.0])
+    buffer = pargrad.tensor(np.zeros(4))
+    tail = buffer[2:]
+    buffer[:3] = x
+    assert not tail.is_leaf and tail.requires_grad and tail.grad_fn.name() == "GetitemBackward"
+    tail.retain_grad()
+    (tail * 5.0).sum().backward()
+    np.testing.assert_array_equal(tail.grad.data, [5.0, 5.0])
+
+
+def test_retain_grad_moves_with_a_change_through_the_view(engine: pargrad.Engine) -> None:
+    x = pargrad.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    v = (x * 1.0)[0:3]
+    v.retain_grad()
+    v.mul_(3.0)
+    assert v.retains_grad
+    (v * v).sum().backward()
+    np.testing.assert_array_equal(v.grad.data, 2 * v.data)  # of the new value, 3x
+
+
+def test_double_backward_checks_the_outputs_it_saved(engine: pargrad.Engine) -> None:
+    """With create_graph, a rule differentiates through the node's outputs: they keep
+    their tensors' counters, so changing one in place before the second backward raises."""
+    x = pargrad.tensor([0.5, 1.0], requires_grad=True)
+    v = pargrad.tensor([1.0, 1.0], requires_grad=True)
+    y = x.exp()
+    (g,) = pargrad.grad(y, [x], grad_outputs=[v], create_graph=True)
+    with pargrad.no_grad():
+        y.mul_(100.0)
+    with pytest.raises(pargrad.BackwardError, match=r"MultiplyBackward: .*argument 1 .* version 1"):
+        pargrad.grad(g.sum(), [v])
+
+
 @pytest.mark.timeout(60)
 def test_threads_saving_one_leaf_share_its_counter() -> None:
     """The counter is made on first use, under a lock: graphs recorded at once on one

@@ -334,7 +334,12 @@ class OpNode(Node):
             # Tensors themselves, and through outputs rebuilt around this very node.
             check_saved_data(self.saved_args, args, "argument")
             args = self.saved_args
-            outs = tuple(Tensor._make(o, self, i) for i, o in enumerate(outs))
+            rebuilt = [Tensor._make(o, self, i) for i, o in enumerate(outs)]
+            saved = self.saved_versions
+            for k in range(0, len(saved), 4):  # with the counters of the outputs they are
+                if saved[k] < 0:
+                    rebuilt[-1 - saved[k]]._counter = saved[k + 1]
+            outs = tuple(rebuilt)
         g = grads if self.op.multi_output else grads[0]
         ans = outs if outs is None or self.op.multi_output else outs[0]
         return [

@@ -24,7 +24,6 @@ import numpy as np
 
 from pargrad.devices import common_device
 from pargrad.grad_mode import is_grad_enabled
-from pargrad.graph import Node
 from pargrad.ops.core import Op, array_of, defop
 from pargrad.ops.elementwise import astype
 from pargrad.ops.shape import _normalize_index
@@ -142,8 +141,11 @@ def setitem(t: Tensor, index: Any, value: Any, name: str) -> None:
 
 
 def _records(t: Tensor, other: Any) -> bool:
+    """Whether changing ``t`` is recorded: grad mode is on, and ``t`` (or the base it
+    views, even through a view made under no_grad) or the value requires grad."""
     return is_grad_enabled() and (
-        t.requires_grad or (isinstance(other, Tensor) and other.requires_grad))
+        t.requires_grad or (t._view is not None and t._view.base.requires_grad)
+        or (isinstance(other, Tensor) and other.requires_grad))
 
 
 def check_recordable(t: Tensor, name: str) -> None:
@@ -162,7 +164,8 @@ def check_recordable(t: Tensor, name: str) -> None:
             f"of an input, and cannot be changed in place while a graph is recorded; change "
             f"a .copy() of it, or do it under pargrad.no_grad()"
         )
-    refresh(t)
+    # A view made under no_grad has no history of its base: make it (and a stale one).
+    refresh(t, force=not t._requires_grad and base._requires_grad)
 
 
 def _standin(t: Tensor, copy: bool) -> Tensor:
@@ -206,24 +209,11 @@ def _commit(t: Tensor, result: Tensor, name: str) -> None:
     if view is None or view.chain is None:
         np.copyto(t.data, result.data)
         counter_of(t).bump()
-        rebase(t, result.grad_fn, result.output_nr)
+        t._rebase(result.grad_fn, result.output_nr)
         return
     base = view.base
     new_base = _copy_slices(_standin(base, copy=False), result, chain=view.chain)
     np.copyto(t.data, result.data)  # the view's region of the base: all that changes
     counter_of(t).bump()
-    rebase(base, new_base.grad_fn, new_base.output_nr)
+    base._rebase(new_base.grad_fn, new_base.output_nr)
     refresh(t)
-
-
-def rebase(t: Tensor, grad_fn: Node | None, output_nr: int) -> None:
-    """Give ``t`` the history ``(grad_fn, output_nr)``; a ``retain_grad`` mark moves
-    along (tensor hooks stay where they were: they see the gradient of the old value, as
-    in PyTorch)."""
-    old, old_nr = t.grad_fn, t.output_nr
-    t.grad_fn, t.output_nr = grad_fn, output_nr
-    t._requires_grad = grad_fn is not None
-    hooks = None if old is None else old._hooks
-    if hooks is not None and old_nr in hooks.retains and grad_fn is not None:
-        hooks.release(old_nr)
-        grad_fn._hooks_made().retain(output_nr, t)
