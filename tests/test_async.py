@@ -420,34 +420,9 @@ def test_the_guide_runs() -> None:
 
 # ----- review of issue 6: each test failed before its fix -----
 
-class Gate(pargrad.Function):
-    """Identity whose backward says it started and then waits for ``opened``."""
-
-    started = threading.Event()
-    opened = threading.Event()
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> np.ndarray:
-        return x.data.copy()
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> Tensor:
-        Gate.started.set()
-        assert Gate.opened.wait(WAIT), "the test never opened the gate"
-        return g
-
-
-@pytest.fixture
-def gate() -> Iterator[type[Gate]]:
-    Gate.started.clear()
-    Gate.opened.clear()
-    yield Gate
-    Gate.opened.set()
-
-
 @pytest.mark.timeout(3 * WAIT)
 @pytest.mark.parametrize("where", ["node", "done-callback"])
-def test_cancel_helps_when_it_holds_the_only_worker(where: str, gate: type[Gate]) -> None:
+def test_cancel_helps_when_it_holds_the_only_worker(where: str, block: type[Block]) -> None:
     # The one worker cancels backward A from a node (or done-callback) of backward B
     # while A's root waits on the queue: cancel() must take it off and skip it itself.
     with pargrad.ThreadedEngine(workers=1) as engine:
@@ -473,14 +448,14 @@ def test_cancel_helps_when_it_holds_the_only_worker(where: str, gate: type[Gate]
 
         y = leaf([3.0])
         loss_b = CancelsA.apply(y).sum() if where == "node" else (y * 2).sum()
-        held = pargrad.backward_async(Gate.apply(leaf([1.0])).sum(), engine=engine)
-        assert gate.started.wait(WAIT)  # the worker is busy: A and B queue up
+        held = pargrad.backward_async(block.apply(leaf([1.0])).sum(), engine=engine)
+        assert block.started.wait(WAIT)  # the worker is busy: A and B queue up
         a = pargrad.backward_async(loss_a, engine=engine)
         target.append(a)
         b = pargrad.backward_async(loss_b, engine=engine)
         if where == "done-callback":
             b.add_done_callback(cancel_a)
-        gate.opened.set()
+        block.release.set()
         try:
             assert answered.wait(WAIT), "cancel() never returned"  # nobody else helps
             assert answers == [True] and a.cancelled() and x.grad is None
