@@ -30,8 +30,8 @@ import numpy as np
 from pargrad.devices import Device, common_device
 from pargrad.grad_mode import is_grad_enabled, no_grad
 from pargrad.graph import BackwardError, Grad, Node
-from pargrad.tensor import Tensor, check_saved_data, input_edges
-from pargrad.versions import Saved, check, counter_of, record
+from pargrad.tensor import Tensor, check_saved_data, input_edges, saved_versions
+from pargrad.versions import Saved, check, counter_of
 from pargrad.views import view_of
 
 
@@ -184,7 +184,7 @@ class Function:
             node = FunctionNode(cls, ctx, args, arrays, on)
         outputs = tuple(_output(ctx, node, i, r, a, args, on)
                         for i, (r, a) in enumerate(zip(results, arrays)))
-        ctx._versions = record(ctx._saved or ())
+        ctx._versions = saved_versions(ctx._saved or ())
         return outputs if several else outputs[0]
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -19,7 +19,7 @@ from pargrad.devices import CPU, Device
 from pargrad.devices import device as as_device
 from pargrad.graph import AccumulateGrad, Edge, Meta, Node
 from pargrad.hooks import Hook, NodeHooks, RemovableHandle
-from pargrad.versions import VersionCounter, counter_of
+from pargrad.versions import Saved, VersionCounter, counter_of
 from pargrad.views import View, refresh
 
 if TYPE_CHECKING:
@@ -662,6 +662,19 @@ def input_edges(args: Sequence[Any]) -> tuple[tuple[Edge, ...], tuple[Meta | Non
         edges.append((None, 0))
         metas.append(None)
     return tuple(edges), tuple(metas)
+
+
+def saved_versions(tensors: Sequence[Any], which: Iterable[int] | None = None, *,
+                   outputs: bool = False) -> Saved:
+    """The versions of the Tensors among ``tensors`` (those at ``which``, or all) now, as
+    ``versions.check`` reads them: by index, as outputs with ``outputs=True``."""
+    saved: list[Any] = []
+    for i in range(len(tensors)) if which is None else which:
+        t = tensors[i]
+        if isinstance(t, Tensor):
+            counter = counter_of(t)
+            saved += (-1 - i if outputs else i, counter, counter.value, t.data)
+    return tuple(saved)
 
 
 def check_saved_data(saved: Sequence[Any], arrays: Sequence[Any], what: str) -> None:

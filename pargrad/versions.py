@@ -4,8 +4,8 @@ Every Tensor has a ``VersionCounter`` (made on first use). An in-place operation
 (``add_``, ``x[i] = v``, ``+=``...) bumps it; tensors that share memory (``detach``, and
 the views made by ``reshape``, basic indexing, ``transpose``...) share one counter, so a
 change through any of them is seen by all. A node that saves tensors for its backward
-records their versions with ``record`` and calls ``check`` before it reads the saved
-values.
+records their versions (``tensor.saved_versions``) and calls ``check`` before it reads
+the saved values.
 
 The counters are not locked (their lazy creation aside): a counter changes only when the
 tensor's memory is written, and writing a tensor on one thread while another thread
@@ -17,7 +17,6 @@ node runs.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
 from typing import Any
 
 from pargrad.graph import BackwardError
@@ -59,18 +58,6 @@ Saved = tuple[Any, ...]
 collector's sake): ``(where, counter, version, array)`` per tensor, ``where`` being ``i``
 for argument (or saved tensor) ``i`` and ``-1 - i`` for output ``i``, ``version`` the
 version when saved, and ``array`` the saved array (for the error message)."""
-
-
-def record(tensors: Iterable[object]) -> Saved:
-    """The versions of the Tensors among ``tensors`` now, by their index."""
-    from pargrad.tensor import Tensor
-
-    saved: list[Any] = []
-    for i, t in enumerate(tensors):
-        if isinstance(t, Tensor):
-            counter = counter_of(t)
-            saved += (i, counter, counter.value, t.data)
-    return tuple(saved)
 
 
 def check(node_name: str, saved: Saved, kind: str = "argument") -> None:

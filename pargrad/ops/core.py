@@ -25,7 +25,7 @@ import numpy as np
 from pargrad.devices import Device, common_device
 from pargrad.grad_mode import is_grad_enabled
 from pargrad.graph import Grad, Node
-from pargrad.tensor import Tensor, check_saved_data, input_edges
+from pargrad.tensor import Tensor, check_saved_data, input_edges, saved_versions
 from pargrad.versions import Saved, check, counter_of
 from pargrad.views import view_of
 
@@ -162,11 +162,7 @@ class Op:
                     t._counter = counter_of(source)
                     t._view = view_of(source, (self, params, i))
         if node is not None and node.reads_output:
-            saved: list[Any] = []
-            for i, t in enumerate(tensors):
-                counter = counter_of(t)
-                saved += (-1 - i, counter, counter.value, t.data)
-            node.saved_versions += tuple(saved)
+            node.saved_versions += saved_versions(tensors, outputs=True)
         return tensors
 
 
@@ -298,15 +294,8 @@ class OpNode(Node):
             self.saved_args: tuple[Any, ...] | None = args
             self.saved_arrays: tuple[Any, ...] | None = arrays
             self.saved_outputs: tuple[np.ndarray, ...] | None = outs
-            plan = op._plans.get(live) or op.plan(live)
-            read, self.reads_output = plan
-            saved: list[Any] = []
-            for i in range(len(args)) if read is None else read:
-                a = args[i]
-                if isinstance(a, Tensor):
-                    counter = a._counter or counter_of(a)
-                    saved += (i, counter, counter.value, a.data)
-            self.saved_versions = tuple(saved)
+            read, self.reads_output = op.plan(live)
+            self.saved_versions = saved_versions(args, read)
         else:
             self.saved_args = None
             self.saved_arrays = tuple(ShapeOf(a) if isinstance(a, np.ndarray) else a

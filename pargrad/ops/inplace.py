@@ -100,7 +100,7 @@ def update(t: Tensor, name: str, op: Any, other: Any) -> Tensor:
     refused (module docstring); ``t`` is unchanged then.
     """
     if not _records(t, other):
-        _write(t, op(t, other), name)
+        _write(t, _fitted(t, op(t, other), name).data, name)
         return t
     check_recordable(t, name)
     source = _standin(t, copy=_reads_old_value(op, t, other))
@@ -192,11 +192,10 @@ def _check_writeable(t: Tensor, name: str) -> None:
                          f"or an array made read-only); change a .copy() instead")
 
 
-def _write(t: Tensor, result: Tensor, name: str) -> None:
-    """Write ``result`` into ``t``'s memory (no graph recorded)."""
-    value = _fitted(t, result, name).data
+def _write(t: Tensor, value: np.ndarray, name: str) -> None:
+    """Write ``value`` (``t``'s shape and dtype) into ``t``'s memory; bump its version."""
     _check_writeable(t, name)
-    np.copyto(t.data, value, casting="same_kind")
+    np.copyto(t.data, value)
     counter_of(t).bump()
 
 
@@ -204,16 +203,12 @@ def _commit(t: Tensor, result: Tensor, name: str) -> None:
     """Write the recorded ``result`` into ``t``'s memory and give ``t`` its history (a
     view: give its base the history of the change, then remake the view from it)."""
     result = _fitted(t, result, name)
-    _check_writeable(t, name)
-    view = t._view
-    if view is None or view.chain is None:
-        np.copyto(t.data, result.data)
-        counter_of(t).bump()
+    view = t._view  # a Function's output (no chain) was refused by check_recordable
+    if view is None:
+        _write(t, result.data, name)
         t._rebase(result.grad_fn, result.output_nr)
         return
-    base = view.base
-    new_base = _copy_slices(_standin(base, copy=False), result, chain=view.chain)
-    np.copyto(t.data, result.data)  # the view's region of the base: all that changes
-    counter_of(t).bump()
-    base._rebase(new_base.grad_fn, new_base.output_nr)
+    new_base = _copy_slices(_standin(view.base, copy=False), result, chain=view.chain)
+    _write(t, result.data, name)  # the view's region of the base: all that changes
+    view.base._rebase(new_base.grad_fn, new_base.output_nr)
     refresh(t)
