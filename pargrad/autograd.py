@@ -170,26 +170,40 @@ def grad_async(
     return future._then(call.results, lambda: None)
 
 
-class _BackwardCall:
+class _Call:
+    """What a call of ``backward`` or ``grad`` (or their async forms) hands an engine,
+    once its subclass has checked the arguments (each in its own order)."""
+
+    def _set(self, roots: tuple[Tensor, ...], grads: list[Grad], retain_graph: bool | None,
+             create_graph: bool, engine: Engine | None) -> None:
+        self.grads = grads
+        self.roots = [t._edge() for t in roots]
+        self.retain_graph = create_graph if retain_graph is None else retain_graph
+        self.create_graph = create_graph
+        self.engine = engine if engine is not None else current_engine()
+
+    def _options(self, inputs: list[Edge] | None) -> dict[str, Any]:
+        """The keyword arguments of ``Engine.execute`` / ``execute_async``."""
+        return {"retain_graph": self.retain_graph, "create_graph": self.create_graph,
+                "inputs": inputs}
+
+
+class _BackwardCall(_Call):
     """One call of ``backward`` or ``backward_async``: its checked arguments, the early
     commits of its post-accumulate-grad leaves, and the commit of the rest."""
 
     def __init__(self, tensors: Any, grad_tensors: Any, retain_graph: bool | None,
                  create_graph: bool, inputs: Any, engine: Engine | None) -> None:
         roots = _as_tensors(tensors, "backward")
-        self.grads = _root_grads(roots, grad_tensors, create_graph)
+        grads = _root_grads(roots, grad_tensors, create_graph)
         self.targets = None if inputs is None else _inputs(inputs, "backward")
-        self.roots = [t._edge() for t in roots]
-        self.retain_graph = create_graph if retain_graph is None else retain_graph
-        self.create_graph = create_graph
-        self.engine = engine if engine is not None else current_engine()
+        self._set(roots, grads, retain_graph, create_graph, engine)
         self.early = _EarlyCommits(create_graph)
 
     def options(self) -> dict[str, Any]:
         """The keyword arguments of ``Engine.execute`` / ``execute_async``."""
         inputs = None if self.targets is None else [t._edge() for t in self.targets]
-        return {"retain_graph": self.retain_graph, "create_graph": self.create_graph,
-                "inputs": inputs, "on_kept": self.early}
+        return {**self._options(inputs), "on_kept": self.early}
 
     def commit(self, kept: dict[Edge, Grad]) -> None:
         """Add what the engine kept to ``.grad`` (the whole backward succeeded)."""
@@ -201,7 +215,7 @@ class _BackwardCall:
                     _add_to_grad(tensor, grad, self.create_graph)
 
 
-class _GradCall:
+class _GradCall(_Call):
     """One call of ``grad`` or ``grad_async``: its checked arguments and its results."""
 
     def __init__(self, outputs: Any, inputs: Any, grad_outputs: Any,
@@ -213,17 +227,13 @@ class _GradCall:
         self.materialize_grads = materialize_grads
         roots = _as_tensors(outputs, "grad")
         self.targets = _inputs(inputs, "grad")
-        self.grads = _root_grads(roots, grad_outputs, create_graph)
-        self.roots = [t._edge() for t in roots]
+        grads = _root_grads(roots, grad_outputs, create_graph)
+        self._set(roots, grads, retain_graph, create_graph, engine)
         self.edges = [t._edge() for t in self.targets]
-        self.retain_graph = create_graph if retain_graph is None else retain_graph
-        self.create_graph = create_graph
-        self.engine = engine if engine is not None else current_engine()
 
     def options(self) -> dict[str, Any]:
         """The keyword arguments of ``Engine.execute`` / ``execute_async``."""
-        return {"retain_graph": self.retain_graph, "create_graph": self.create_graph,
-                "inputs": self.edges}
+        return self._options(self.edges)
 
     def results(self, kept: dict[Edge, Grad]) -> tuple[Tensor | None, ...]:
         """One gradient per input, from what the engine kept."""
