@@ -14,14 +14,20 @@ from typing import Any, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-# Per-thread state, so no lock: ``enabled`` (the flag) and ``saved`` (the modes to
-# restore when the enclosing no_grad / enable_grad blocks exit, innermost last).
-_local = threading.local()
+class _State(threading.local):
+    """Per-thread state, so no lock: ``enabled`` (the flag; a class default, so a new
+    thread reads True without a miss) and ``saved`` (the modes to restore when the
+    enclosing no_grad / enable_grad blocks exit, innermost last)."""
+
+    enabled = True
+
+
+_local = _State()
 
 
 def is_grad_enabled() -> bool:
     """Return True if operations in the calling thread currently record a graph."""
-    return getattr(_local, "enabled", True)
+    return _local.enabled
 
 
 def _set_enabled(flag: bool) -> None:

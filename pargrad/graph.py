@@ -14,6 +14,7 @@ node needs to turn output gradients into input gradients lives here and in the n
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 from collections.abc import Callable, Container, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -34,20 +35,31 @@ Grad = Any
 Edge = tuple["Node | None", int]
 """``(node, input_nr)``: the node that produced an input, and which of its outputs it was."""
 
+NO_EDGE: Edge = (None, 0)
+"""The edge of an input that needs no gradient."""
+
 Meta = tuple[tuple[int, ...], np.dtype]
 """``(shape, dtype)`` of a tensor, remembered so that a gradient can be checked against it."""
 
-# Guards _sequence_counter. The counter must hand out unique, increasing numbers even
-# when several threads build graphs at once, and ``next`` on a shared iterator is only
-# atomic under the GIL, which we do not assume.
+# The sequence counter must hand out unique, increasing numbers even when several
+# threads build graphs at once. ``next`` on an ``itertools.count`` is one C call that
+# runs no Python code and releases nothing, so with the GIL it is atomic and needs no
+# lock (it costs a third of the locked version, on every node). A free-threaded
+# interpreter (``sys._is_gil_enabled()`` false) gives no such promise for ``count``, so
+# there ``_sequence_lock`` guards ``_sequence_counter``.
 _sequence_lock = threading.Lock()
 _sequence_counter = itertools.count()
 
 
-def next_sequence_nr() -> int:
-    """Return the next forward sequence number (unique, increasing, thread-safe)."""
+def _next_locked() -> int:
     with _sequence_lock:
         return next(_sequence_counter)
+
+
+next_sequence_nr: Callable[[], int] = (
+    _sequence_counter.__next__ if getattr(sys, "_is_gil_enabled", lambda: True)()
+    else _next_locked)
+"""Return the next forward sequence number (unique, increasing, thread-safe)."""
 
 
 class BackwardError(RuntimeError):
@@ -376,22 +388,25 @@ class Dependencies:
         With ``within`` (``needed``'s nodes), only the nodes in it are counted: a backward
         that runs just what some inputs need.
         """
-        self.counts: dict[Node, list[int]] = {}
+        counts: dict[Node, list[int]] = {}
+        self.counts = counts
         stack: list[Node] = []
         for root in roots:
-            if root not in self.counts and (within is None or root in within):
-                self.counts[root] = [0] * root.num_outputs
+            if root not in counts and (within is None or root in within):
+                counts[root] = [0] * len(root._output_meta)
                 stack.append(root)
+        find, push, pop = counts.get, stack.append, stack.pop
         while stack:
-            node = stack.pop()
-            for next_node, input_nr in node.next_functions:
-                if next_node is None or (within is not None and next_node not in within):
+            for next_node, input_nr in pop().next_functions:
+                if next_node is None:
                     continue
-                counts = self.counts.get(next_node)
-                if counts is None:
-                    counts = self.counts[next_node] = [0] * next_node.num_outputs
-                    stack.append(next_node)
-                counts[input_nr] += 1
+                owed = find(next_node)
+                if owed is None:
+                    if within is not None and next_node not in within:
+                        continue
+                    owed = counts[next_node] = [0] * len(next_node._output_meta)
+                    push(next_node)
+                owed[input_nr] += 1
 
     def is_ready(self, node: Node) -> bool:
         """True when no edge still owes ``node`` a gradient (the seed's readiness test)."""

@@ -52,36 +52,51 @@ class SequentialEngine(Engine):
     ) -> dict[Edge, Grad]:
         root_nodes = [node for node, _ in roots if node is not None]
         runs = None if inputs is None else needed(root_nodes, inputs)
-        dependencies = Dependencies(root_nodes, within=runs)
+        counts = Dependencies(root_nodes, within=runs).counts
         kept = Kept(inputs, on_kept)
+        wanted = kept.wanted
         buffers: dict[Node, InputBuffer] = {}
+        # The ready list: (-sequence_nr, node, its gathered gradients), newest first.
+        ready: list[tuple[int, Node, list[Grad | None]]] = []
 
         def deliver(node: Node, output_nr: int, grad: Grad | None) -> None:
+            """Add ``grad`` to ``node``'s buffer and release the edge it came along."""
+            owed = counts[node]
             buffer = buffers.get(node)
             if buffer is None:
-                buffer = buffers[node] = InputBuffer(node.num_outputs)
+                if len(owed) == 1 and owed[0] == 1:  # the one edge into a one-output node:
+                    owed[0] = 0  # ready with just this gradient, no buffer needed (chains)
+                    heapq.heappush(ready, (-node.sequence_nr, node, [grad]))
+                    return
+                buffer = buffers[node] = InputBuffer(len(owed))
             buffer.accumulate(output_nr, grad)
+            owed[output_nr] -= 1
+            if not any(owed):
+                heapq.heappush(ready, (-node.sequence_nr, node, buffers.pop(node).take()))
 
         with set_grad_enabled(create_graph), use_engine(self):  # nested backward: here too
             for (node, output_nr), grad in zip(roots, grads):
-                if node in dependencies.counts:
-                    deliver(node, output_nr, grad)
-            ready = [(-node.sequence_nr, node) for node in dict.fromkeys(root_nodes)
-                     if node in dependencies.counts and dependencies.is_ready(node)]
-            heapq.heapify(ready)
+                if node in counts:
+                    buffer = buffers.get(node)
+                    if buffer is None:
+                        buffer = buffers[node] = InputBuffer(len(counts[node]))
+                    buffer.accumulate(output_nr, grad)
+            for node in dict.fromkeys(root_nodes):
+                if node in counts and not any(counts[node]):
+                    heapq.heappush(ready, (-node.sequence_nr, node, buffers.pop(node).take()))
             while ready:
-                _, node = heapq.heappop(ready)
-                inputs_ = buffers.pop(node).take()
-                if node._hooks is not None:
-                    inputs_ = node.run_tensor_hooks(inputs_)
-                kept.store(kept.select(node, inputs_))
-                if isinstance(node, AccumulateGrad) or (runs is not None and not runs[node]):
+                _, node, grads_ = heapq.heappop(ready)
+                hooks = node._hooks
+                if hooks is not None:
+                    grads_ = node.run_tensor_hooks(grads_)
+                sink = isinstance(node, AccumulateGrad) or (runs is not None and not runs[node])
+                if sink or node in wanted or (hooks is not None and hooks.retains):
+                    kept.store(kept.select(node, grads_))
+                if sink:
                     continue  # its gradients are kept, not used
-                outputs = node.apply(inputs_, retain_graph=retain_graph)
+                outputs = node.apply(grads_, retain_graph=retain_graph)
+                del grads_
                 for (next_node, input_nr), grad in zip(node.next_functions, outputs):
-                    if next_node is None or (runs is not None and next_node not in runs):
-                        continue
-                    deliver(next_node, input_nr, grad)
-                    if dependencies.release(next_node, input_nr):
-                        heapq.heappush(ready, (-next_node.sequence_nr, next_node))
+                    if next_node is not None and next_node in counts:  # else: leads nowhere
+                        deliver(next_node, input_nr, grad)  # needed (with inputs)
         return kept.grads

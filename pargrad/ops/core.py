@@ -22,12 +22,13 @@ from typing import Any
 
 import numpy as np
 
-from pargrad.devices import Device, common_device
+from pargrad import anomaly
+from pargrad.devices import CPU, Device, common_device
 from pargrad.grad_mode import is_grad_enabled
-from pargrad.graph import Grad, Node
-from pargrad.tensor import Tensor, check_saved_data, input_edges, saved_versions
+from pargrad.graph import NO_EDGE, BackwardError, Edge, Grad, Meta, Node, next_sequence_nr
+from pargrad.tensor import Tensor, check_saved_data, saved_versions
 from pargrad.versions import Saved, check, counter_of
-from pargrad.views import view_of
+from pargrad.views import refresh, view_of
 
 Rule = Callable[..., Any]
 
@@ -95,6 +96,11 @@ class Op:
         self.moves_device = moves_device
         self.node_type = BlasOpNode if calls_blas else OpNode
         self.view = view
+        # Calls of a single-output op that neither views nor moves take ``__call__``'s
+        # lean path; the others (and unusual operands) take ``outputs``.
+        self.lean = not (multi_output or view or moves_device or argnum_rule is not None)
+        # Arguments from this index on have no rule (none for variadic ops).
+        self.ruled = len(self.rules) if argnum_rule is None else 1 << 30
         # Per rule: whether it reads the output, and which arguments' values it reads.
         self.reads = tuple(_reads(rule) for rule in self.rules)
         self._plans: dict[int, tuple[tuple[int, ...] | None, bool]] = {}
@@ -103,7 +109,7 @@ class Op:
         return f"<pargrad op {self.name}>"
 
     def has_rule(self, i: int) -> bool:
-        return self.argnum_rule is not None or i < len(self.rules)
+        return i < self.ruled
 
     def plan(self, live: int) -> tuple[tuple[int, ...] | None, bool]:
         """For a node whose arguments with edges are the bits of ``live``: the arguments
@@ -134,8 +140,43 @@ class Op:
         return self.rules[i](g, ans, *args, **params)
 
     def __call__(self, *args: Any, **params: Any) -> Tensor:
-        """Run the forward on the arguments' arrays; record a node if a gradient is needed."""
-        return self.outputs(*args, **params)[0]
+        """Run the forward on the arguments' arrays; record a node if a gradient is needed.
+
+        The lean path of the common case: operands that are Tensors (not views), arrays
+        or scalars, one output. It does what ``outputs`` does in one pass; anything it
+        does not handle goes to ``outputs``, which also raises the errors.
+        """
+        if not self.lean:
+            return self.outputs(*args, **params)[0]
+        arrays = []
+        on: Device | None = None
+        grad = False
+        for a in args:
+            if isinstance(a, Tensor):
+                if a._view is not None or (on is not None and a._device is not on):
+                    return self.outputs(*args, **params)[0]
+                on = a._device
+                grad = grad or a._requires_grad
+                arrays.append(a.data)
+            elif isinstance(a, (list, tuple)):
+                return self.outputs(*args, **params)[0]
+            else:
+                arrays.append(a)
+        try:
+            out = self.forward(*arrays, **params)
+        except (ValueError, IndexError, TypeError) as exc:
+            raise _forward_error(self.name, exc, arrays, params) from exc
+        if type(out) is not np.ndarray:
+            out = np.asarray(out)
+        if on is None:
+            on = CPU
+        if grad and out.dtype.kind == "f" and is_grad_enabled():
+            node = self.node_type(self, args, arrays, params, (out,), on)
+            result = Tensor._make(out, node, 0, on)
+            if node.reads_output:
+                node.saved_versions += saved_versions((result,), outputs=True)
+            return result
+        return Tensor._make(out, None, 0, on)
 
     def outputs(self, *args: Any, **params: Any) -> tuple[Tensor, ...]:
         """Like calling the op, but return every output (for ``multi_output`` ops)."""
@@ -151,7 +192,10 @@ class Op:
         if outs[0].dtype.kind == "f" and is_grad_enabled():
             for a in operands:
                 if isinstance(a, Tensor) and a.requires_grad:
-                    node = self.node_type(self, operands, params, outs, on)
+                    for b in operands:  # a view whose base changed may require grad now
+                        if isinstance(b, Tensor) and b._view is not None:
+                            refresh(b, recording=True)
+                    node = self.node_type(self, operands, arrays, params, outs, on)
                     break
         tensors = tuple(Tensor._make(o, node, i, on) for i, o in enumerate(outs))
         if self.view and operands and isinstance(operands[0], Tensor):
@@ -271,36 +315,52 @@ class OpNode(Node):
                  "saved_versions")
 
     def __init__(
-        self, op: Op, args: tuple[Any, ...], params: dict[str, Any], outs: tuple[np.ndarray, ...],
-        device: Device,
+        self, op: Op, args: Sequence[Any], arrays: Sequence[Any], params: dict[str, Any],
+        outs: tuple[np.ndarray, ...], device: Device,
     ) -> None:
-        edges, metas = input_edges(args)
+        # Node.__init__ written out, with the edges made in the same pass: this runs once
+        # per op call. Operands that are views were refreshed by ``Op.outputs``.
+        edges: list[Edge] = []
+        metas: list[Meta | None] = []
         live = 0
-        for i, (next_node, _) in enumerate(edges):
-            if next_node is not None:
-                if not op.has_rule(i):
-                    # Fail in the forward, where the call is visible.
-                    raise TypeError(f"{op.name}: no gradient rule for argument {i}")
+        for i, a in enumerate(args):
+            if isinstance(a, Tensor) and a._requires_grad:
+                fn = a.grad_fn
+                edges.append((fn, a.output_nr) if fn is not None else a._edge())
+                array = a.data
+                metas.append((array.shape, array.dtype))
                 live |= 1 << i
-        super().__init__(edges, metas, tuple((o.shape, o.dtype) for o in outs), device)
+            else:
+                edges.append(NO_EDGE)
+                metas.append(None)
+        if live >> op.ruled:  # fail in the forward, where the call is visible
+            missing = next(i for i in range(op.ruled, len(args)) if live >> i & 1)
+            raise TypeError(f"{op.name}: no gradient rule for argument {missing}")
+        self.next_functions = tuple(edges)
+        self._input_meta = tuple(metas)
+        self._output_meta = tuple([(o.shape, o.dtype) for o in outs])
+        self._released = False
+        self.device = device
+        self.sequence_nr = next_sequence_nr()
+        self._hooks = None
+        self._forward_trace = anomaly.forward_trace() if anomaly.mode.enabled else None
         self.op = op
         self.params = params
-        arrays = tuple(array_of(a) for a in args)
         # The versions of the tensors whose values the rules that will run read:
         # arguments now, outputs (Op.outputs) once their tensors exist.
-        self.saved_versions: Saved = ()
-        self.reads_output = False
         if op.needs_values:
-            self.saved_args: tuple[Any, ...] | None = args
-            self.saved_arrays: tuple[Any, ...] | None = arrays
+            self.saved_args: tuple[Any, ...] | None = tuple(args)
+            self.saved_arrays: tuple[Any, ...] | None = tuple(arrays)
             self.saved_outputs: tuple[np.ndarray, ...] | None = outs
             read, self.reads_output = op.plan(live)
-            self.saved_versions = saved_versions(args, read)
+            self.saved_versions: Saved = saved_versions(args, read)
         else:
             self.saved_args = None
-            self.saved_arrays = tuple(ShapeOf(a) if isinstance(a, np.ndarray) else a
-                                      for a in arrays)
+            self.saved_arrays = tuple([ShapeOf(a) if isinstance(a, np.ndarray) else a
+                                       for a in arrays])
             self.saved_outputs = None
+            self.saved_versions = ()
+            self.reads_output = False
 
     def name(self) -> str:
         return self.op.node_name
@@ -311,6 +371,45 @@ class OpNode(Node):
         self.saved_args = self.saved_arrays = self.saved_outputs = None
         self.saved_versions = ()
         return True
+
+    def apply(self, grads: Sequence[Grad | None], *, retain_graph: bool) -> list[Grad | None]:
+        """``Node.apply``, with a lean path for the common case: one output whose gradient
+        is a plain array, no hooks, values not freed, no graph of the backward recorded,
+        anomaly mode off. The rules run directly, and each gradient that already has its
+        input's shape and dtype is taken as it is; anything else goes through
+        ``Node.apply``'s checks, which raise the errors."""
+        g = grads[0]
+        args = self.saved_arrays
+        if (type(g) is not np.ndarray or self._hooks is not None or args is None
+                or self.op.multi_output or anomaly.mode.enabled or is_grad_enabled()):
+            return Node.apply(self, grads, retain_graph=retain_graph)
+        if self.saved_versions:
+            check(self.op.node_name, self.saved_versions)
+        op, params, outs = self.op, self.params, self.saved_outputs
+        ans = None if outs is None else outs[0]
+        rules = op.rules if op.argnum_rule is None else None
+        results: list[Grad | None] = []
+        fits = True
+        try:
+            for i, ((next_node, _), meta) in enumerate(zip(self.next_functions,
+                                                           self._input_meta)):
+                if next_node is None:
+                    results.append(None)
+                    continue
+                r = (op.vjp(i, g, ans, args, params) if rules is None
+                     else rules[i](g, ans, *args, **params))
+                fits = fits and (type(r) is np.ndarray and r.shape == meta[0]  # type: ignore[index]
+                                 and r.dtype == meta[1])  # type: ignore[index]
+                results.append(r)
+        except BackwardError:
+            raise
+        except Exception as exc:
+            raise BackwardError(op.node_name, f"{type(exc).__name__}: {exc}") from exc
+        if not fits:
+            results = self._check(results)
+        if not retain_graph and self._free_saved():
+            self._released = True
+        return results
 
     def backward(self, grads: tuple[Grad, ...]) -> list[Grad | None]:
         assert self.saved_arrays is not None
