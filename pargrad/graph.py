@@ -14,6 +14,7 @@ node needs to turn output gradients into input gradients lives here and in the n
 from __future__ import annotations
 
 import itertools
+import math
 import sys
 import threading
 from collections.abc import Callable, Container, Iterable, Sequence
@@ -88,7 +89,7 @@ class Node:
     """
 
     __slots__ = ("__weakref__", "_forward_trace", "_hooks", "_input_meta", "_output_meta",
-                 "_released", "device", "next_functions", "sequence_nr")
+                 "_released", "cost", "device", "next_functions", "sequence_nr")
 
     # Its backward runs BLAS, which has threads of its own: a parallel engine runs only
     # as many such nodes at once as the cores allow (engine/blas.py).
@@ -107,6 +108,10 @@ class Node:
         self.next_functions = next_functions
         self._input_meta = input_meta
         self._output_meta = output_meta
+        # The array elements its backward reads and writes, gradients in and out: what a
+        # parallel engine weighs before handing the node to another thread.
+        self.cost = sum(math.prod(meta[0]) for meta in (*input_meta, *output_meta)
+                        if meta is not None)
         self._released = False
         self.device = device
         self.sequence_nr = next_sequence_nr()

@@ -81,7 +81,9 @@ def release_once_cancelled(future: pargrad.BackwardFuture[Any], block: type[Bloc
     assert task is not None
 
     def release() -> None:
-        task.cancelled.wait(WAIT)
+        deadline = time.monotonic() + WAIT
+        while not task.cancelled and time.monotonic() < deadline:
+            time.sleep(0.001)  # GraphTask.cancelled is a flag: poll it
         block.release.set()
 
     threading.Thread(target=release, daemon=True).start()

@@ -28,6 +28,10 @@ def test_workers_start_lazily_named_and_daemon() -> None:
     engine = pargrad.ThreadedEngine(workers=3)
     assert engine.threads() == []
     np.testing.assert_array_equal(backward_once(engine).grad.data, [3.0, 3.0])
+    assert engine.threads() == []  # nothing worth handing off: run on the caller alone
+    big = pargrad.tensor(np.ones(engine.handoff_threshold), requires_grad=True)
+    (big * 3).sum().backward(engine=engine)
+    np.testing.assert_array_equal(big.grad.data, np.full(big.shape, 3.0))
     threads = engine.threads()
     assert [t.name for t in threads] == ["pargrad-cpu-0", "pargrad-cpu-1", "pargrad-cpu-2"]
     assert all(t.daemon and t.is_alive() for t in threads)

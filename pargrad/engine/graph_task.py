@@ -31,7 +31,7 @@ says.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import CancelledError
 from typing import Any
 
@@ -71,6 +71,42 @@ _SINGLE = [1]
 """The counters of every node that exactly one edge reaches (see GraphTask.__init__)."""
 
 
+class Once:
+    """A flag set once, read like a ``threading.Event`` (``is_set``, ``wait``), made
+    without a lock or condition of its own: it shares its task's lock, and the Event
+    that waiters block on is made by the first thread that waits (most backward calls
+    are never waited on that way, and two Events cost more than a small graph's
+    backward). ``lock`` guards ``_event``; ``_flag`` is written under it and read
+    without it (a thread that sees it a moment late looks again when woken)."""
+
+    __slots__ = ("_event", "_flag", "_lock")
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._lock = lock
+        self._flag = False
+        self._event: threading.Event | None = None
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    def set(self) -> None:
+        with self._lock:
+            self._flag = True
+            event = self._event
+        if event is not None:
+            event.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until set, or for ``timeout`` seconds; return whether it is set."""
+        with self._lock:
+            if self._flag:
+                return True
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        return event.wait(timeout)
+
+
 class _Stripe:
     """The gradient buffers of the nodes whose ``sequence_nr`` modulo the task's stripe
     count is this stripe's."""
@@ -81,6 +117,26 @@ class _Stripe:
         # Guards ``buffers`` and ``dependencies.counts[node]`` of this stripe's nodes.
         self.lock = threading.Lock()
         self.buffers: dict[Node, InputBuffer | OrderedInputBuffer] = {}
+
+
+class InlineRun:
+    """A backward that ``ThreadedEngine`` runs on the calling thread alone, without a
+    GraphTask: what a thread's stack of running tasks needs of it (its reentrant depth,
+    and the task whose node called it)."""
+
+    __slots__ = ("depth", "parent")
+
+    def __init__(self, parent: GraphTask | InlineRun | None) -> None:
+        self.parent = parent
+        self.depth: int = 0 if parent is None else parent.depth + 1
+
+
+def counting(root_nodes: Iterable[Node], inputs: Sequence[Edge] | None
+             ) -> tuple[Dependencies, dict[Node, bool] | None]:
+    """The dependencies of a backward from ``root_nodes`` and, with ``inputs``, the
+    nodes it needs (``graph.needed``): what a GraphTask counts with."""
+    runs = None if inputs is None else needed(root_nodes, inputs)
+    return Dependencies(root_nodes, within=runs), runs
 
 
 class GraphTask:
@@ -103,7 +159,8 @@ class GraphTask:
         on_done: Callable[[GraphTask], None],
         inputs: Sequence[Edge] | None = None,
         on_kept: Callable[[Edge, Grad], bool] | None = None,
-        parent: GraphTask | None = None,
+        parent: GraphTask | InlineRun | None = None,
+        counted: tuple[Dependencies, dict[Node, bool] | None] | None = None,
     ) -> None:
         self.engine = engine  # the engine running it: the current engine inside its nodes
         self.roots = roots
@@ -125,8 +182,8 @@ class GraphTask:
         self._on_done = on_done
         root_nodes = {node for node, _ in roots if node is not None}
         # With inputs (pargrad.grad): the nodes on a path to them, and which of those run.
-        runs = None if inputs is None else needed(root_nodes, inputs)
-        self.dependencies = Dependencies(root_nodes, within=runs)
+        # ``counted``: both, already made by the engine (``counting``).
+        self.dependencies, runs = counted or counting(root_nodes, inputs)
         # Nodes that exactly one edge reaches, and no root gradient: their one delivery
         # makes them ready with just that gradient, so they need no buffer, no counter
         # and no lock (most nodes of a chain). Their counters become the shared _SINGLE
@@ -137,7 +194,7 @@ class GraphTask:
         buffered = 0
         sinks = []
         for node, owed in counts.items():  # replaces values only: the keys stay as they are
-            if owed == [1] and node not in root_nodes:
+            if len(owed) == 1 and owed[0] == 1 and node not in root_nodes:
                 counts[node] = _SINGLE
             else:
                 buffered += 1
@@ -152,15 +209,17 @@ class GraphTask:
         stripes = min(STRIPES, 1 << max(0, (buffered - 1) // 8).bit_length())
         self._mask = stripes - 1
         self._stripes = tuple(_Stripe() for _ in range(stripes))
-        # Guards _outstanding, _over, _error and _kept.grads.
+        # Guards _outstanding, _over, _error, _kept.grads and done's event.
         self._lock = threading.Lock()
         self._outstanding = 0
         self._over = False  # _outstanding reached zero: nothing runs any more
         self._error: BaseException | None = None
-        # Set with the first error (or an interrupt): nodes not started are skipped.
-        self.cancelled = threading.Event()
+        # True from the first error (or an interrupt) on: nodes not started are skipped.
+        # Written under _lock, read without it by every thread before each node: a
+        # thread that reads it a moment late runs one node more, as with an Event.
+        self.cancelled = False
         # Set once, when _outstanding reached zero: the task is over.
-        self.done = threading.Event()
+        self.done = Once(self._lock)
 
     def start(self) -> list[Ready]:
         """Deliver the root gradients and return the roots that are ready, counted.
@@ -268,7 +327,7 @@ class GraphTask:
         with self._lock:
             if self._error is None:
                 self._error = exc
-        self.cancelled.set()
+            self.cancelled = True
 
     def cancel(self) -> bool:
         """Cancel the task, unless it is over or failed already: nodes not started are
@@ -278,8 +337,8 @@ class GraphTask:
             if self._error is None and not self._over:
                 self._error = CancelledError("the backward was cancelled")
             cancelled = isinstance(self._error, CancelledError)
-        if cancelled:
-            self.cancelled.set()
+            if cancelled:
+                self.cancelled = True
         return cancelled
 
     @property

@@ -19,9 +19,16 @@ import heapq
 import itertools
 import threading
 import time
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 T = TypeVar("T")
+
+
+class Flag(Protocol):
+    """What ``get`` reads of a caller's stop flag (a ``threading.Event``, a task's
+    ``done``)."""
+
+    def is_set(self) -> bool: ...
 
 
 class ReadyQueue(Generic[T]):
@@ -46,7 +53,7 @@ class ReadyQueue(Generic[T]):
             if self._waiting:
                 self.not_empty.notify()
 
-    def get(self, stop: threading.Event | None = None,
+    def get(self, stop: Flag | None = None,
             timeout: float | None = None) -> T | None:
         """Remove and return the best item; block while there is none.
 

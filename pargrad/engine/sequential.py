@@ -26,8 +26,18 @@ from collections.abc import Callable, Sequence
 
 from pargrad.engine.base import Engine, use_engine
 from pargrad.engine.buffer import InputBuffer
+from pargrad.engine.trace import ThreadCounts
 from pargrad.grad_mode import set_grad_enabled
-from pargrad.graph import AccumulateGrad, Dependencies, Edge, Grad, Kept, Node, needed
+from pargrad.graph import (
+    AccumulateGrad,
+    BackwardError,
+    Dependencies,
+    Edge,
+    Grad,
+    Kept,
+    Node,
+    needed,
+)
 
 
 class SequentialEngine(Engine):
@@ -54,49 +64,72 @@ class SequentialEngine(Engine):
         runs = None if inputs is None else needed(root_nodes, inputs)
         counts = Dependencies(root_nodes, within=runs).counts
         kept = Kept(inputs, on_kept)
-        wanted = kept.wanted
-        buffers: dict[Node, InputBuffer] = {}
-        # The ready list: (-sequence_nr, node, its gathered gradients), newest first.
-        ready: list[tuple[int, Node, list[Grad | None]]] = []
+        with set_grad_enabled(create_graph), use_engine(self):  # nested backward: here too
+            run_graph(roots, grads, counts, runs, kept, retain_graph=retain_graph)
+        return kept.grads
 
-        def deliver(node: Node, output_nr: int, grad: Grad | None) -> None:
-            """Add ``grad`` to ``node``'s buffer and release the edge it came along."""
-            owed = counts[node]
+
+def run_graph(roots: Sequence[Edge], grads: Sequence[Grad], counts: dict[Node, list[int]],
+              runs: dict[Node, bool] | None, kept: Kept, *, retain_graph: bool,
+              name_errors: bool = False, tally: ThreadCounts | None = None) -> None:
+    """Run the backward of steps 2-4 on the calling thread: ``counts`` are the roots'
+    ``Dependencies`` (only of ``runs``' nodes, with ``inputs``), and the gradients to
+    keep go into ``kept``. ``tally.nodes``, if given, counts the nodes run.
+
+    With ``name_errors``, an ordinary exception that is not a ``BackwardError`` (one of
+    ``kept``'s ``on_kept``) is raised as a ``BackwardError`` naming the node, with the
+    original as its cause, as a parallel engine reports it.
+    """
+    wanted = kept.wanted
+    buffers: dict[Node, InputBuffer] = {}
+    # The ready list: (-sequence_nr, node, its gathered gradients), newest first.
+    ready: list[tuple[int, Node, list[Grad | None]]] = []
+
+    def deliver(node: Node, output_nr: int, grad: Grad | None) -> None:
+        """Add ``grad`` to ``node``'s buffer and release the edge it came along."""
+        owed = counts[node]
+        buffer = buffers.get(node)
+        if buffer is None:
+            if len(owed) == 1 and owed[0] == 1:  # the one edge into a one-output node:
+                owed[0] = 0  # ready with just this gradient, no buffer needed (chains)
+                heapq.heappush(ready, (-node.sequence_nr, node, [grad]))
+                return
+            buffer = buffers[node] = InputBuffer(len(owed))
+        buffer.accumulate(output_nr, grad)
+        owed[output_nr] -= 1
+        if not any(owed):
+            heapq.heappush(ready, (-node.sequence_nr, node, buffers.pop(node).take()))
+
+    for (node, output_nr), grad in zip(roots, grads):
+        if node in counts:
             buffer = buffers.get(node)
             if buffer is None:
-                if len(owed) == 1 and owed[0] == 1:  # the one edge into a one-output node:
-                    owed[0] = 0  # ready with just this gradient, no buffer needed (chains)
-                    heapq.heappush(ready, (-node.sequence_nr, node, [grad]))
-                    return
-                buffer = buffers[node] = InputBuffer(len(owed))
+                buffer = buffers[node] = InputBuffer(len(counts[node]))
             buffer.accumulate(output_nr, grad)
-            owed[output_nr] -= 1
-            if not any(owed):
-                heapq.heappush(ready, (-node.sequence_nr, node, buffers.pop(node).take()))
-
-        with set_grad_enabled(create_graph), use_engine(self):  # nested backward: here too
-            for (node, output_nr), grad in zip(roots, grads):
-                if node in counts:
-                    buffer = buffers.get(node)
-                    if buffer is None:
-                        buffer = buffers[node] = InputBuffer(len(counts[node]))
-                    buffer.accumulate(output_nr, grad)
-            for node in dict.fromkeys(root_nodes):
-                if node in counts and not any(counts[node]):
-                    heapq.heappush(ready, (-node.sequence_nr, node, buffers.pop(node).take()))
-            while ready:
-                _, node, grads_ = heapq.heappop(ready)
-                hooks = node._hooks
-                if hooks is not None:
-                    grads_ = node.run_tensor_hooks(grads_)
-                sink = isinstance(node, AccumulateGrad) or (runs is not None and not runs[node])
-                if sink or node in wanted or (hooks is not None and hooks.retains):
-                    kept.store(kept.select(node, grads_))
-                if sink:
-                    continue  # its gradients are kept, not used
-                outputs = node.apply(grads_, retain_graph=retain_graph)
-                del grads_
-                for (next_node, input_nr), grad in zip(node.next_functions, outputs):
-                    if next_node is not None and next_node in counts:  # else: leads nowhere
-                        deliver(next_node, input_nr, grad)  # needed (with inputs)
-        return kept.grads
+    for node in dict.fromkeys(node for node, _ in roots):
+        if node in counts and not any(counts[node]):
+            heapq.heappush(ready, (-node.sequence_nr, node, buffers.pop(node).take()))
+    while ready:
+        _, node, grads_ = heapq.heappop(ready)
+        try:
+            hooks = node._hooks
+            if hooks is not None:
+                grads_ = node.run_tensor_hooks(grads_)
+            sink = isinstance(node, AccumulateGrad) or (runs is not None and not runs[node])
+            if sink or node in wanted or (hooks is not None and hooks.retains):
+                kept.store(kept.select(node, grads_))
+            if sink:
+                continue  # its gradients are kept, not used
+            if tally is not None:
+                tally.nodes += 1
+            outputs = node.apply(grads_, retain_graph=retain_graph)
+        except BackwardError:
+            raise
+        except Exception as exc:
+            if not name_errors:
+                raise
+            raise BackwardError(node.name(), f"{type(exc).__name__}: {exc}") from exc
+        del grads_
+        for (next_node, input_nr), grad in zip(node.next_functions, outputs):
+            if next_node is not None and next_node in counts:  # else: leads nowhere
+                deliver(next_node, input_nr, grad)  # needed (with inputs)

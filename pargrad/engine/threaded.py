@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import heapq
-import math
 import threading
 import time
 import weakref
@@ -60,12 +59,13 @@ from pargrad import anomaly
 from pargrad.devices import CPU, Device, available_cores, device
 from pargrad.engine import blas
 from pargrad.engine.base import Engine, _engine_stack
-from pargrad.engine.graph_task import GraphTask, NodeTask, Ready
+from pargrad.engine.graph_task import GraphTask, InlineRun, NodeTask, Ready, counting
 from pargrad.engine.ready_queue import ReadyQueue
+from pargrad.engine.sequential import run_graph
 from pargrad.engine.trace import Counters, Log, Statistics, Trace, now, recording
 from pargrad.futures import BackwardFuture
 from pargrad.grad_mode import _set_enabled, is_grad_enabled
-from pargrad.graph import BackwardError, Edge, Grad, Node
+from pargrad.graph import BackwardError, Dependencies, Edge, Grad, Kept, Node
 
 MAX_REENTRANT_DEPTH = 32
 """Nested backward calls one thread runs on its own stack before handing off to a helper."""
@@ -219,17 +219,6 @@ def _work(pool: _Pool, on: Device, queue: ReadyQueue[NodeTask]) -> None:
         del item  # hold no graph alive while idle
 
 
-def _cost(node: Node) -> int:
-    """The array elements a node reads and writes: its gradients in and out."""
-    total = 0
-    for shape, _ in node._output_meta:
-        total += math.prod(shape)
-    for meta in node._input_meta:
-        if meta is not None:
-            total += math.prod(meta[0])
-    return total
-
-
 Local = list[tuple[int, Node, list[Grad | None]]]
 """The work a thread keeps for itself: a heap of ``(-sequence_nr, node, gradients)``, all
 of one GraphTask (whose sequence numbers are distinct). Newest first, as the reference
@@ -272,7 +261,7 @@ def _process(task: GraphTask, local: Local, on: Device, *, reraise: bool,
     _set_enabled(task.create_graph)
     anomaly.set_mode(task.anomaly_mode)
     engines.append(engine)
-    cancelled, deliver, retain = task.cancelled, task.deliver, task.retain_graph
+    deliver, retain = task.deliver, task.retain_graph
     deterministic, sinks, wanted = task.deterministic, task.sinks, task.wanted
     try:
         while local:
@@ -282,7 +271,7 @@ def _process(task: GraphTask, local: Local, on: Device, *, reraise: bool,
             _, node, inputs = heapq.heappop(local)
             ready: list[Ready] = []
             interrupt: BaseException | None = None
-            if not cancelled.is_set():
+            if not task.cancelled:
                 counts.nodes += 1
                 if node is handed:
                     counts.handed_off += 1
@@ -310,7 +299,7 @@ def _process(task: GraphTask, local: Local, on: Device, *, reraise: bool,
                             if got is None:
                                 pass
                             elif next_node in sinks:
-                                if not cancelled.is_set():  # no hook after a cancel
+                                if not task.cancelled:  # no hook after a cancel
                                     task.sink(next_node, got)
                                     if records is not None:
                                         _record_ready(records, next_node, task)
@@ -374,16 +363,16 @@ def _report(exc: BaseException) -> None:
         (type(exc), exc, exc.__traceback__, threading.current_thread())))
 
 
-def _running() -> list[GraphTask]:
+def _running() -> list[GraphTask | InlineRun]:
     """The tasks whose nodes this thread is inside, innermost last (a thread waiting in
     a node runs other nodes, of any task)."""
-    running: list[GraphTask] | None = getattr(_local, "running", None)
+    running: list[GraphTask | InlineRun] | None = getattr(_local, "running", None)
     if running is None:
         running = _local.running = []
     return running
 
 
-def _current_task() -> GraphTask | None:
+def _current_task() -> GraphTask | InlineRun | None:
     """The task whose node this thread is running now, or None."""
     running = _running()
     return running[-1] if running else None
@@ -393,7 +382,7 @@ def _inside(task: GraphTask) -> bool:
     """Whether this thread is inside a node of ``task``, or of a reentrant backward
     that a node of ``task`` waits for: then waiting for ``task`` waits for itself."""
     for running in _running():
-        outer: GraphTask | None = running
+        outer: GraphTask | InlineRun | None = running
         while outer is not None:
             if outer is task:
                 return True
@@ -429,7 +418,7 @@ def _schedule(engine: ThreadedEngine, task: GraphTask, runnable: list[Ready], on
         if node.device is not on:
             pool.queue(node.device).put(NodeTask(task, node, inputs), task.depth,
                                         node.sequence_nr)
-        elif _cost(node) < engine.handoff_threshold:
+        elif node.cost < engine.handoff_threshold:
             kept_one = True
             heapq.heappush(local, (-node.sequence_nr, node, inputs))
         else:
@@ -663,6 +652,16 @@ class ThreadedEngine(Engine):
         pool = self._pool
         on = _home_device(pool)
         parent = _current_task()
+        depth = getattr(_local, "depth", 0)
+        outermost = parent is None and getattr(_local, "pool", None) is None
+        counted = None
+        if depth < MAX_REENTRANT_DEPTH and recording(self.trace) is None and not (
+                outermost and self.limit_blas):
+            counted = counting([node for node, _ in roots if node is not None], inputs)
+            if self._all_cheap(counted[0].counts, on):
+                return self._execute_inline(roots, grads, counted, retain_graph=retain_graph,
+                                            create_graph=create_graph, inputs=inputs,
+                                            on_kept=on_kept, parent=parent, depth=depth)
         queue = pool.queue(on)
         caller = threading.current_thread()
 
@@ -675,9 +674,8 @@ class ThreadedEngine(Engine):
 
         task, ready = self._begin(roots, grads, retain_graph=retain_graph,
                                   create_graph=create_graph, inputs=inputs, on_kept=on_kept,
-                                  parent=parent, nested=parent is not None, on_done=on_done)
-        depth = getattr(_local, "depth", 0)
-        outermost = parent is None and getattr(_local, "pool", None) is None
+                                  parent=parent, nested=parent is not None, on_done=on_done,
+                                  counted=counted)
         limited = False
         try:
             if outermost and self.limit_blas:
@@ -704,6 +702,54 @@ class ThreadedEngine(Engine):
         if error is not None:
             raise _with_hint(error)
         return task.captured()
+
+    def _all_cheap(self, counts: Mapping[Node, object], on: Device) -> bool:
+        """Whether no node of a backward is worth handing to another thread: all on
+        device ``on``, each below the hand-off threshold. Then nothing would leave the
+        calling thread, and ``_execute_inline`` runs it without a GraphTask."""
+        threshold = self.handoff_threshold
+        for node in counts:  # noqa: SIM110 (all() with a generator costs more per node)
+            if node.cost >= threshold or node.device is not on:
+                return False
+        return True
+
+    def _execute_inline(self, roots: Sequence[Edge], grads: Sequence[Grad],
+                        counted: tuple[Dependencies, dict[Node, bool] | None], *,
+                        retain_graph: bool, create_graph: bool, inputs: Sequence[Edge] | None,
+                        on_kept: Callable[[Edge, Grad], bool] | None,
+                        parent: GraphTask | InlineRun | None, depth: int) -> dict[Edge, Grad]:
+        """``execute`` of a backward that stays on the calling thread: the reference's
+        algorithm (``sequential.run_graph``, so the reference's order and sums, bitwise),
+        with this engine's contract around it: counted in the pool (shutdown waits for
+        it), a node's error named and hinted, statistics, nested depth, and the running
+        stack that reentrant and nested calls consult."""
+        pool = self._pool
+        pool.task_started(nested=parent is not None)  # raises after shutdown
+        failed = True
+        try:
+            kept = Kept(inputs, on_kept)
+            running, engines = _running(), _engine_stack()
+            running.append(InlineRun(parent))
+            engines.append(self)
+            previous_mode = is_grad_enabled()
+            _set_enabled(create_graph)
+            _local.depth = depth + 1
+            try:
+                run_graph(roots, grads, counted[0].counts, counted[1], kept,
+                          retain_graph=retain_graph, name_errors=True,
+                          tally=self._counters.mine())
+            except BackwardError as exc:
+                raise _with_hint(exc) from exc.__cause__
+            finally:
+                _local.depth = depth
+                _set_enabled(previous_mode)
+                engines.pop()
+                running.pop()
+            failed = False
+            return kept.grads
+        finally:
+            self._counters.task_ended(failed=failed)
+            pool.task_done()
 
     def execute_async(
         self,
@@ -767,9 +813,11 @@ class ThreadedEngine(Engine):
 
     def _begin(self, roots: Sequence[Edge], grads: Sequence[Grad], *, retain_graph: bool,
                create_graph: bool, inputs: Sequence[Edge] | None,
-               on_kept: Callable[[Edge, Grad], bool] | None, parent: GraphTask | None,
+               on_kept: Callable[[Edge, Grad], bool] | None, parent: GraphTask | InlineRun | None,
                nested: bool, on_done: Callable[[GraphTask], None],
-               work: _AsyncWork | None = None) -> tuple[GraphTask, list[Ready]]:
+               work: _AsyncWork | None = None,
+               counted: tuple[Dependencies, dict[Node, bool] | None] | None = None,
+               ) -> tuple[GraphTask, list[Ready]]:
         """Count a new backward call in the pool, make its GraphTask (``work.task``, if
         given, before any thread can see it) and deliver the root gradients; returns the
         task and its ready roots. Raises after shutdown. An ``Exception`` of delivering to
@@ -784,7 +832,7 @@ class ThreadedEngine(Engine):
                              create_graph=create_graph, deterministic=self.deterministic,
                              depth=0 if parent is None else parent.depth + 1,
                              engine=self, on_done=on_done, inputs=inputs,
-                             on_kept=on_kept, parent=parent)
+                             on_kept=on_kept, parent=parent, counted=counted)
             if work is not None:
                 work.task = task
             _set_enabled(create_graph)

@@ -311,8 +311,8 @@ class OpNode(Node):
     which must still hold those arrays.
     """
 
-    __slots__ = ("op", "params", "reads_output", "saved_args", "saved_arrays", "saved_outputs",
-                 "saved_versions")
+    __slots__ = ("op", "params", "reads_output", "saved_args", "saved_arrays",
+                 "saved_outputs", "saved_versions")
 
     def __init__(
         self, op: Op, args: Sequence[Any], arrays: Sequence[Any], params: dict[str, Any],
@@ -323,16 +323,21 @@ class OpNode(Node):
         edges: list[Edge] = []
         metas: list[Meta | None] = []
         live = 0
+        cost = 0
         for i, a in enumerate(args):
             if isinstance(a, Tensor) and a._requires_grad:
                 fn = a.grad_fn
                 edges.append((fn, a.output_nr) if fn is not None else a._edge())
                 array = a.data
                 metas.append((array.shape, array.dtype))
+                cost += array.size
                 live |= 1 << i
             else:
                 edges.append(NO_EDGE)
                 metas.append(None)
+        for o in outs:
+            cost += o.size
+        self.cost = cost
         if live >> op.ruled:  # fail in the forward, where the call is visible
             missing = next(i for i in range(op.ruled, len(args)) if live >> i & 1)
             raise TypeError(f"{op.name}: no gradient rule for argument {missing}")
