@@ -27,7 +27,7 @@ from pargrad.devices import CPU, Device, common_device
 from pargrad.grad_mode import is_grad_enabled
 from pargrad.graph import NO_EDGE, BackwardError, Edge, Grad, Meta, Node, next_sequence_nr
 from pargrad.tensor import Tensor, check_saved_data, saved_versions
-from pargrad.versions import Saved, check, counter_of
+from pargrad.versions import Saved, VersionCounter, check, counter_of
 from pargrad.views import refresh, view_of
 
 Rule = Callable[..., Any]
@@ -171,10 +171,11 @@ class Op:
         if on is None:
             on = CPU
         if grad and out.dtype.kind == "f" and is_grad_enabled():
-            node = self.node_type(self, args, arrays, params, (out,), on)
+            node = self.node_type(self, args, arrays, params or NO_PARAMS, (out,), on)
             result = Tensor._make(out, node, 0, on)
-            if node.reads_output:
-                node.saved_versions += saved_versions((result,), outputs=True)
+            if node.reads_output:  # a new tensor no other thread sees: no lock needed
+                counter = result._counter = VersionCounter()
+                node.saved_versions += (-1, counter, 0, out)
             return result
         return Tensor._make(out, None, 0, on)
 
@@ -208,6 +209,28 @@ class Op:
         if node is not None and node.reads_output:
             node.saved_versions += saved_versions(tensors, outputs=True)
         return tensors
+
+
+NO_PARAMS: dict[str, Any] = {}
+"""The parameters of an op called without any: one shared dict, never written."""
+
+# Interned ``((shape, dtype),)`` tuples: nodes of arrays alike share their metadata
+# instead of each holding tuples of their own (fewer objects for the garbage collector to
+# visit, on every node). Cleared when it grows past _METAS_MAX entries. A race between
+# threads only interns one tuple twice.
+_metas: dict[tuple[tuple[int, ...], np.dtype], tuple[Meta]] = {}
+_METAS_MAX = 4096
+
+
+def meta_of(array: np.ndarray) -> tuple[Meta]:
+    """``((array.shape, array.dtype),)``, interned."""
+    key = (array.shape, array.dtype)
+    found = _metas.get(key)
+    if found is None:
+        if len(_metas) >= _METAS_MAX:
+            _metas.clear()
+        found = _metas[key] = (key,)
+    return found
 
 
 def _owner(array: np.ndarray) -> Any:
@@ -329,7 +352,7 @@ class OpNode(Node):
                 fn = a.grad_fn
                 edges.append((fn, a.output_nr) if fn is not None else a._edge())
                 array = a.data
-                metas.append((array.shape, array.dtype))
+                metas.append(meta_of(array)[0])
                 cost += array.size
                 live |= 1 << i
             else:
@@ -343,7 +366,8 @@ class OpNode(Node):
             raise TypeError(f"{op.name}: no gradient rule for argument {missing}")
         self.next_functions = tuple(edges)
         self._input_meta = tuple(metas)
-        self._output_meta = tuple([(o.shape, o.dtype) for o in outs])
+        self._output_meta = (meta_of(outs[0]) if len(outs) == 1
+                             else tuple([(o.shape, o.dtype) for o in outs]))
         self._released = False
         self.device = device
         self.sequence_nr = next_sequence_nr()
