@@ -1,0 +1,188 @@
+"""The hot path's lean paths against the general paths they shortcut: same graphs, same
+gradients (bitwise), same errors. Not their speed: benchmarks measure that.
+
+The lean paths: ``Op.__call__`` (one pass over the operands, the node built inline)
+against ``Op.outputs``; ``OpNode.apply`` (rules called directly, results checked by a
+shape/dtype comparison) against ``Node.apply``; ``ThreadedEngine`` running a backward
+with nothing to hand off inline on the calling thread against the same engine running it
+as a GraphTask (``handoff_threshold=1``). Each test runs a graph both ways.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+import pargrad
+import pargrad.ops
+from pargrad.graph import Node
+from pargrad.ops.core import Op, OpNode, defop
+from tests.strategies import GraphRecipe, graph_recipes
+
+fixture_ok = settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def every_op() -> list[Op]:
+    ops: dict[int, Op] = {}
+    for info in pkgutil.iter_modules(pargrad.ops.__path__):
+        module = importlib.import_module(f"pargrad.ops.{info.name}")
+        for value in vars(module).values():
+            if isinstance(value, Op):
+                ops[id(value)] = value
+    return list(ops.values())
+
+
+@pytest.fixture
+def general(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """Call ``general.on()`` to send every op and node down the general paths (until the
+    test ends); ``general.off()`` restores the lean ones."""
+    class Switch:
+        def on(self) -> None:
+            for op in every_op():
+                monkeypatch.setattr(op, "lean", False)
+            monkeypatch.setattr(OpNode, "apply", Node.apply)
+
+        def off(self) -> None:
+            monkeypatch.undo()
+
+    switch = Switch()
+    yield switch
+    monkeypatch.undo()
+
+
+def leaf_grads(recipe: GraphRecipe, engine: pargrad.Engine) -> list[np.ndarray | None]:
+    leaves = [pargrad.tensor(a, requires_grad=flag)
+              for a, flag in zip(recipe.leaves, recipe.requires_grad)]
+    roots = recipe.build(leaves)
+    grads = [g.astype(r.dtype) for g, r in zip(recipe.root_grads, roots)]
+    pargrad.backward(roots, grads, engine=engine)
+    return [None if t.grad is None else t.grad.data for t in leaves]
+
+
+def assert_same(a: list[np.ndarray | None], b: list[np.ndarray | None]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        if x is None or y is None:
+            assert x is None and y is None
+        else:
+            assert x.dtype == y.dtype
+            np.testing.assert_array_equal(x, y)
+
+
+@fixture_ok
+@given(recipe=graph_recipes(dtypes=(np.float64, np.float32)))
+def test_lean_forward_and_node_paths_give_the_general_paths_gradients(
+        recipe: GraphRecipe, general: Any) -> None:
+    engine = pargrad.SequentialEngine()
+    lean = leaf_grads(recipe, engine)
+    general.on()
+    try:
+        slow = leaf_grads(recipe, engine)
+    finally:
+        general.off()
+    assert_same(lean, slow)
+
+
+SHARED: dict[str, pargrad.ThreadedEngine] = {}
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[dict[str, pargrad.ThreadedEngine]]:
+    made = {
+        "inline": pargrad.ThreadedEngine(workers=2, deterministic=True),
+        "graph-task": pargrad.ThreadedEngine(workers=2, deterministic=True,
+                                             handoff_threshold=1),
+    }
+    yield made
+    for engine in made.values():
+        engine.shutdown()
+
+
+@fixture_ok
+@given(recipe=graph_recipes(dtypes=(np.float64, np.float32)))
+def test_inline_backward_gives_the_graph_task_gradients_bitwise(
+        recipe: GraphRecipe, engines: dict[str, pargrad.ThreadedEngine]) -> None:
+    inline = leaf_grads(recipe, engines["inline"])
+    handed = leaf_grads(recipe, engines["graph-task"])
+    reference = leaf_grads(recipe, pargrad.SequentialEngine())
+    assert_same(inline, reference)
+    assert_same(handed, reference)
+
+
+def test_small_graphs_run_inline_and_large_ones_do_not() -> None:
+    with pargrad.ThreadedEngine(workers=1) as engine:
+        small = pargrad.tensor(np.ones(4), requires_grad=True)
+        (small * 2).sum().backward(engine=engine)
+        assert engine.threads() == []  # inline: no worker was needed
+        assert engine.statistics().nodes == 2
+        big = pargrad.tensor(np.ones(engine.handoff_threshold), requires_grad=True)
+        (big * 2).sum().backward(engine=engine)
+        assert engine.threads()  # a GraphTask: its device's workers started
+        np.testing.assert_array_equal(big.grad.data, np.full(big.shape, 2.0))
+
+
+# ----- errors: the same on every path -----
+
+def _bad_shape_rule(g: Any, ans: Any, x: Any) -> Any:
+    return np.ones((7,))
+
+
+def _raising_rule(g: Any, ans: Any, x: Any) -> Any:
+    raise ZeroDivisionError("boom in a rule")
+
+
+bad_shape = defop("bad_shape", np.negative, _bad_shape_rule)
+raising = defop("raising", np.negative, _raising_rule)
+
+
+def error_of(build: Any, engine: pargrad.Engine) -> tuple[type, str, Any]:
+    x = pargrad.tensor(np.arange(3.0), requires_grad=True)
+    loss = build(x)
+    with pytest.raises(Exception) as info:
+        loss.backward(engine=engine)
+    assert x.grad is None  # a failed backward changes no .grad
+    return type(info.value), str(info.value), type(info.value.__cause__)
+
+
+def _saved_changed(x: pargrad.Tensor) -> pargrad.Tensor:
+    y = x * 1.0
+    z = y * y
+    with pargrad.no_grad():
+        y.add_(1.0)
+    return z.sum()
+
+
+def _output_changed(x: pargrad.Tensor) -> pargrad.Tensor:
+    y = pargrad.tanh(x * 1.0)
+    loss = y.sum()
+    with pargrad.no_grad():
+        y.mul_(2.0)
+    return loss
+
+
+BUILDS = {
+    "wrong shape": lambda x: bad_shape(x).sum(),
+    "rule raises": lambda x: raising(x).sum(),
+    "saved argument changed": _saved_changed,
+    "saved output changed": _output_changed,
+}
+
+
+@pytest.mark.parametrize("case", list(BUILDS))
+@pytest.mark.parametrize("engine_name", ["sequential", "inline", "graph-task"])
+def test_errors_are_the_same_on_lean_and_general_paths(
+        case: str, engine_name: str, general: Any,
+        engines: dict[str, pargrad.ThreadedEngine]) -> None:
+    engine = (pargrad.SequentialEngine() if engine_name == "sequential"
+              else engines[engine_name])
+    lean = error_of(BUILDS[case], engine)
+    general.on()
+    slow = error_of(BUILDS[case], engine)
+    assert lean == slow
+    assert lean[0] is pargrad.BackwardError
