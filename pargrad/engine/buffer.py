@@ -69,24 +69,57 @@ class InputBuffer:
 class OrderedInputBuffer:
     """Like ``InputBuffer``, but sums in key order, whatever the order of arrival.
 
-    Contributions are kept until ``take``, which sorts them by key and folds them left
-    through ``accumulate``, exactly as the reference engine would have added them. This
-    costs memory: a node's contributions are all alive until it runs.
+    Given the keys each output will receive (``expected``, in order), a contribution is
+    folded in as soon as every contribution before it has arrived; the ones that came
+    early wait for those. Gradients that arrive in the canonical order (most do: workers
+    take the newest nodes first) are summed at once and never kept, so the buffer holds
+    what the reference's buffer holds. Without ``expected``, every contribution is kept
+    until ``take``, which sorts them. Either way the sum is folded left through
+    ``accumulate``, exactly as the reference engine adds.
     """
 
-    __slots__ = ("_parts",)
+    __slots__ = ("_early", "_expected", "_next", "_owned", "_parts", "_sums")
 
-    def __init__(self, num_outputs: int) -> None:
+    def __init__(self, num_outputs: int, expected: list[list[Key]] | None = None) -> None:
+        self._expected = expected
+        self._sums: list[Grad | None] = [None] * num_outputs
+        self._owned = [False] * num_outputs
+        self._next = [0] * num_outputs  # per output: how many expected keys are folded
+        self._early: list[dict[Key, Grad | None]] = [{} for _ in range(num_outputs)]
         self._parts: list[list[tuple[Key, Any]]] = [[] for _ in range(num_outputs)]
 
     def accumulate(self, output_nr: int, grad: Grad | None, key: Key | None = None) -> None:
-        """Keep ``grad`` (ignored if None) for output ``output_nr`` at position ``key``."""
+        """Add ``grad`` (None: nothing to add) for output ``output_nr`` at position
+        ``key``."""
+        assert key is not None, "an ordered buffer needs the key of each contribution"
+        expected = self._expected
+        if expected is None:
+            if grad is not None:
+                self._parts[output_nr].append((key, grad))
+            return
+        order, early = expected[output_nr], self._early[output_nr]
+        i = self._next[output_nr]
+        if i >= len(order) or order[i] != key:
+            early[key] = grad  # something before it is still to come
+            return
+        self._fold(output_nr, grad)
+        i += 1
+        while i < len(order) and order[i] in early:
+            self._fold(output_nr, early.pop(order[i]))
+            i += 1
+        self._next[output_nr] = i
+
+    def _fold(self, output_nr: int, grad: Grad | None) -> None:
         if grad is not None:
-            assert key is not None, "an ordered buffer needs the key of each contribution"
-            self._parts[output_nr].append((key, grad))
+            self._sums[output_nr], self._owned[output_nr] = accumulate(
+                self._sums[output_nr], self._owned[output_nr], grad)
 
     def take(self) -> list[Grad | None]:
-        """Fold each output's contributions in key order; the buffer is spent afterwards."""
+        """Each output's sum in key order; the buffer is spent afterwards."""
+        if self._expected is not None:
+            assert not any(self._early), "a contribution arrived that was not expected"
+            folded, self._sums = self._sums, []
+            return folded
         sums: list[Grad | None] = []
         for parts in self._parts:
             parts.sort(key=lambda part: part[0])

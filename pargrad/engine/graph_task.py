@@ -204,7 +204,10 @@ class GraphTask:
         self._kept = Kept(inputs, on_kept)  # its grads guarded by _lock
         # Nodes that run and whose gradients are kept too (read-only).
         self.wanted = frozenset(self._kept.wanted).difference(self.sinks)
-        self._buffer_type = OrderedInputBuffer if deterministic else InputBuffer
+        # Deterministic mode: the keys each buffered node's outputs will receive, in
+        # the canonical order, so its buffer folds them as soon as the order allows
+        # (read-only after __init__).
+        self._expected = self._expected_keys(roots) if deterministic else None
         # About one stripe per 8 buffered nodes, up to STRIPES: each stripe costs memory.
         stripes = min(STRIPES, 1 << max(0, (buffered - 1) // 8).bit_length())
         self._mask = stripes - 1
@@ -250,8 +253,38 @@ class GraphTask:
         stripe's lock, or is ``start``."""
         buffer = stripe.buffers.get(node)
         if buffer is None:
-            buffer = stripe.buffers[node] = self._buffer_type(node.num_outputs)
+            expected = self._expected
+            buffer = stripe.buffers[node] = (
+                InputBuffer(node.num_outputs) if expected is None
+                else OrderedInputBuffer(node.num_outputs, expected[node]))
         return buffer
+
+    def _expected_keys(self, roots: Sequence[Edge]) -> dict[Node, list[list[Key]]]:
+        """For every node with a buffer: per output, the keys of the contributions it
+        will receive (one per counted edge into it, one per root gradient), sorted. The
+        deliveries are exactly these: a counted node that runs delivers along each edge
+        to a counted node (``Dependencies`` counts the same edges)."""
+        counts = self.dependencies.counts
+        expected: dict[Node, list[list[Key]]] = {}
+        for i, (node, output_nr) in enumerate(roots):
+            if node in counts:
+                expected.setdefault(node, [[] for _ in counts[node]])[output_nr].append((0, i))
+        for producer in counts:
+            seq = producer.sequence_nr
+            for e, (node, input_nr) in enumerate(producer.next_functions):
+                if node is None:
+                    continue
+                owed = counts.get(node)
+                if owed is None or owed is _SINGLE:
+                    continue  # not counted, or delivered to without a buffer
+                keys = expected.get(node)
+                if keys is None:
+                    keys = expected[node] = [[] for _ in owed]
+                keys[input_nr].append((1, -seq, e))
+        for keys in expected.values():
+            for output_keys in keys:
+                output_keys.sort()
+        return expected
 
     def deliver(self, node: Node, output_nr: int, grad: Grad | None,
                 key: Key | None) -> list[Grad | None] | None:
