@@ -32,11 +32,14 @@ with the caller's.
 from __future__ import annotations
 
 import hashlib
+import shutil
 import sys
+import sysconfig
 import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 import numpy as np
@@ -49,7 +52,8 @@ if TYPE_CHECKING:
     from pargrad.hooks import RemovableHandle
 
 __all__ = ["BucketTiming", "Communicator", "DataParallel", "DistributedError",
-           "MPICommunicator", "Request", "SyncStatistics", "broadcast_parameters", "shard"]
+           "MPICommunicator", "Request", "SyncStatistics", "broadcast_parameters", "mpiexec_path",
+           "shard"]
 
 
 class DistributedError(RuntimeError):
@@ -167,6 +171,20 @@ def shard(length: int, rank: int, size: int) -> slice:
     base, extra = divmod(length, size)
     start = rank * base + min(rank, extra)
     return slice(start, start + base + (rank < extra))
+
+
+def mpiexec_path() -> str | None:
+    """The ``mpiexec`` that goes with this interpreter, or None.
+
+    The mpich wheel installs it beside ``python`` (the environment's ``bin``, or
+    ``Scripts``), which is on PATH only when the environment is activated; so look there
+    first, then on PATH.
+    """
+    for directory in (Path(sys.executable).parent, Path(sysconfig.get_path("scripts"))):
+        for name in ("mpiexec", "mpiexec.exe"):
+            if (directory / name).is_file():
+                return str(directory / name)
+    return shutil.which("mpiexec")
 
 
 def broadcast_parameters(parameters: Iterable[Tensor], comm: Any = None,

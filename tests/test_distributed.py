@@ -13,11 +13,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import sysconfig
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +24,7 @@ import numpy as np
 import pytest
 
 import pargrad
-from pargrad.distributed import DataParallel, DistributedError, shard
+from pargrad.distributed import DataParallel, DistributedError, mpiexec_path, shard
 from tests.mpi_jobs import failing, model
 from tests.mpi_jobs.gradients import SCENARIOS
 
@@ -34,16 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 JOB_TIMEOUT = 60  # seconds for one mpiexec call: a hung job fails, it never hangs pytest
 
 
-def find_mpiexec() -> str | None:
-    """The mpiexec of this interpreter's environment (where the mpich wheel puts it,
-    beside ``python``, even when that directory is not on PATH), else the one on PATH."""
-    for directory in (Path(sys.executable).parent, Path(sysconfig.get_path("scripts"))):
-        if (directory / "mpiexec").exists():
-            return str(directory / "mpiexec")
-    return shutil.which("mpiexec")
-
-
-MPIEXEC = find_mpiexec()
+MPIEXEC = mpiexec_path()  # beside python, where mpich's wheel puts it, else on PATH
 needs_mpi = pytest.mark.skipif(
     importlib.util.find_spec("mpi4py") is None or MPIEXEC is None,
     reason="needs mpi4py and mpiexec: pip install -e '.[test]' (or '.[distributed]') "
@@ -307,3 +296,37 @@ def test_shard_covers_the_data_once() -> None:
             assert max(map(len, parts)) - min(map(len, parts)) <= 1
     with pytest.raises(ValueError, match="rank 3 is not in range"):
         shard(4, 3, 3)
+
+
+# ----- the benchmark runs (smoke mode; no timing is asserted) -----
+@pytest.mark.timeout(180)
+@needs_mpi
+def test_the_data_parallel_benchmark_reports_the_hidden_fraction(tmp_path: Path) -> None:
+    out = tmp_path / "figures.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--smoke", "--only", "data-parallel",
+         "--no-peers", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=150,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stdout + result.stderr
+    figures = json.loads(out.read_text())["data-parallel"]
+    assert list(figures["variants"]) == ["1 rank, overlap", "1 rank, no overlap",
+                                         "2 ranks, overlap", "2 ranks, no overlap"]
+    for name, v in figures["variants"].items():
+        assert v["step_median_s"] > 0 and v["buckets"] == 1, name
+        assert len(v["peak_rss_bytes"]) == (1 if name.startswith("1 rank") else 2)
+        if "no overlap" in name:  # every bucket starts after the backward's end
+            assert v["hidden_fraction"] in (0.0, None), name
+        else:
+            assert v["hidden_fraction"] is None or 0 <= v["hidden_fraction"] <= 1, name
+    assert set(figures["ratios"]) == {
+        "1 rank / 2 ranks, overlap", "1 rank / 2 ranks, no overlap",
+        "no overlap / overlap, 2 ranks", "hidden fraction, 2 ranks, overlap"}
+    assert "hidden fraction, 2 ranks, overlap" in result.stdout
+
+
+def test_hidden_counts_the_union_of_the_buckets_before_the_end() -> None:
+    from benchmarks.data_parallel import hidden
+    assert hidden([], 1.0) == (0.0, 0.0)
+    assert hidden([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)], 2.5) == (4.0, 2.5)
+    assert hidden([(3.0, 4.0)], 2.0) == (1.0, 0.0)
