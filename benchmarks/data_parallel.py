@@ -9,10 +9,14 @@ figures of every rank. Figures per (ranks, overlap):
 
 - the step time (forward, ``DataParallel.backward``, SGD; the ranks start each step
   together), medians over the steps of the slowest rank;
-- from traced steps (``pargrad.profile()`` and ``DataParallel.statistics()``): the
-  all-reduce time (the union of each bucket's interval from its request's start to the
-  first test or wait that saw it complete, an upper bound) and the share of it that lay
-  before the backward's end (the end of its last node in the trace): the hidden fraction;
+- from traced steps (``pargrad.profile()`` and ``DataParallel.statistics()``), medians
+  over rank 0's: the all-reduce time (the union of each bucket's interval from its
+  request's start to the first test or wait that saw it complete, an upper bound); the
+  share of it before the backward's end (the end of its last node in the trace): the
+  hidden fraction; the rest ("after it": what the step waited beyond its backward),
+  and the part of that after the *last* rank's backward ended ("after last": what no
+  rank's backward covered); the backward's time, and the spread of the backward ends
+  across the ranks (one rank waiting for a slower one shows there, not as transfer);
 - memory: the peak resident set of each rank and the bytes of its bucket buffers.
 
 Each rank runs BLAS on one thread (``OPENBLAS_NUM_THREADS=1`` and the like, unless set
@@ -45,8 +49,8 @@ from examples.async_training import Task, sgd_step
 NAME = "data-parallel"
 TASKS = {"full": Task(augment=0), "quick": Task(augment=0),
          "smoke": Task(batch=16, sizes=(12, 8, 8, 3), augment=0)}
-STEPS = {"full": 20, "quick": 8, "smoke": 2}  # timed per variant and repeat; +1 warm-up
-TRACED = {"full": 5, "quick": 3, "smoke": 1}  # traced steps per variant
+STEPS = {"full": 60, "quick": 15, "smoke": 2}  # timed per variant, after 2 untimed
+TRACED = {"full": 9, "quick": 3, "smoke": 1}  # traced steps per variant
 BUCKET_BYTES = 1 << 14  # the 784-512-512-10 MLP in float32: [b3 W3], [b2 W2], [b1 W1]
 RANKS = (1, 2)
 BLAS_THREADS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -86,29 +90,29 @@ def rank_main(mode: str, out: str) -> None:
     batch = (x[mine], y[mine])
     variants = {"overlap": True, "no overlap": False}
     params = {name: task.parameters() for name in variants}
-    figures: dict[str, Any] = {name: {"step_s": [], "comm_s": [], "hidden_s": []}
+    figures: dict[str, Any] = {name: {"step_s": [], "traced": []}
                                for name in variants}
     with pargrad.ThreadedEngine() as engine:
         dps = {name: DataParallel(params[name], comm, bucket_bytes=BUCKET_BYTES,
                                   overlap=overlap) for name, overlap in variants.items()}
         for name, dp in dps.items():  # untimed: the first step rebuilds the buckets
-            _step(task, params[name], batch, dp, engine)
-        for name, dp in dps.items():
-            for _ in range(STEPS[mode] + 1):
+            for _ in range(2):
+                _step(task, params[name], batch, dp, engine)
+        for _ in range(STEPS[mode]):  # the variants take turns, so noise hits both
+            for name, dp in dps.items():
                 comm.Barrier()
                 start = time.perf_counter()
                 _step(task, params[name], batch, dp, engine)
                 figures[name]["step_s"].append(time.perf_counter() - start)
-            figures[name]["step_s"].pop(0)
-            for _ in range(TRACED[mode]):
+        for _ in range(TRACED[mode]):
+            for name, dp in dps.items():
                 comm.Barrier()
                 with pargrad.profile() as trace:
                     _step(task, params[name], batch, dp, engine)
-                stats = dp.statistics()
-                end = max(e.end for e in trace.events())
-                total, before = hidden([(b.started, b.finished) for b in stats.buckets], end)
-                figures[name]["comm_s"].append(total)
-                figures[name]["hidden_s"].append(before)
+                events, stats = trace.events(), dp.statistics()
+                figures[name]["traced"].append({
+                    "backward": [min(e.start for e in events), max(e.end for e in events)],
+                    "buckets": [[b.started, b.finished] for b in stats.buckets]})
                 figures[name]["buckets"] = len(stats.buckets)
                 figures[name]["bucket_bytes"] = sum(b.nbytes for b in stats.buckets)
         for dp in dps.values():
@@ -144,16 +148,30 @@ def _job(ranks: int, mode: str, mpiexec: str) -> list[dict[str, Any]]:
 
 
 def _summary(ranks: list[dict[str, Any]], name: str) -> dict[str, Any]:
-    """One variant over the ranks: the slowest rank's median step, the hidden fraction
-    (median over traced steps, rank 0), memory."""
+    """One variant over the ranks: the slowest rank's median step; from rank 0's traced
+    steps (medians): its backward, the all-reduce time, its hidden fraction, the part
+    after rank 0's backward and after the last rank's; the spread of the backward ends
+    across ranks (``perf_counter`` is one clock for all processes of a machine)."""
     per_rank = [r["figures"][name] for r in ranks]
-    first = per_rank[0]
-    fractions = [h / c for h, c in zip(first["hidden_s"], first["comm_s"]) if c > 0]
+    comm, before, after_last, skew, backward = [], [], [], [], []
+    for i, traced in enumerate(per_rank[0]["traced"]):
+        ends = [r["traced"][i]["backward"][1] for r in per_rank]
+        intervals = [tuple(b) for b in traced["buckets"]]
+        total, hidden_s = hidden(intervals, traced["backward"][1])
+        comm.append(total)
+        before.append(hidden_s)
+        after_last.append(total - hidden(intervals, max(ends))[1])
+        skew.append(max(ends) - min(ends))
+        backward.append(traced["backward"][1] - traced["backward"][0])
+    fractions = [h / c for h, c in zip(before, comm) if c > 0]
+    ms = lambda values: 1e3 * statistics.median(values)
     return {"step_median_s": max(statistics.median(f["step_s"]) for f in per_rank),
-            "steps": len(first["step_s"]),
-            "allreduce_ms": 1e3 * statistics.median(first["comm_s"]),
+            "steps": len(per_rank[0]["step_s"]), "backward_ms": ms(backward),
+            "allreduce_ms": ms(comm),
             "hidden_fraction": statistics.median(fractions) if fractions else None,
-            "buckets": first["buckets"], "bucket_bytes": first["bucket_bytes"],
+            "after_backward_ms": ms([c - h for c, h in zip(comm, before)]),
+            "after_last_backward_ms": ms(after_last), "backward_end_spread_ms": ms(skew),
+            "buckets": per_rank[0]["buckets"], "bucket_bytes": per_rank[0]["bucket_bytes"],
             "peak_rss_bytes": [r["peak_rss_bytes"] for r in ranks]}
 
 
@@ -191,13 +209,16 @@ def print_data_parallel(d: dict[str, Any]) -> None:
         print(f"\nskipped {NAME}: {d['skipped']}")
         return
     print(f"\n{d['name']}: {d['description']}")
-    print(f"  {'':<22}{'step ms':>9}{'all-reduce ms':>15}{'hidden':>8}{'buckets':>9}"
-          f"{'peak RSS MB (per rank)':>26}")
+    print(f"  {'(ms; hidden: a fraction)':<26}{'step':>6}{'backward':>10}{'spread':>8}"
+          f"{'all-reduce':>12}{'hidden':>8}{'after it':>10}{'after last':>12}{'buckets':>9}"
+          f"{'peak RSS MB':>13}")
     for name, v in d["variants"].items():
         fraction = "-" if v["hidden_fraction"] is None else f"{v['hidden_fraction']:.2f}"
         rss = ", ".join(f"{b / 2**20:.0f}" for b in v["peak_rss_bytes"])
-        print(f"  {name:<22}{v['step_median_s'] * 1e3:9.1f}{v['allreduce_ms']:15.2f}"
-              f"{fraction:>8}{v['buckets']:>9}{rss:>26}")
+        print(f"  {name:<26}{v['step_median_s'] * 1e3:6.1f}{v['backward_ms']:10.1f}"
+              f"{v['backward_end_spread_ms']:8.1f}{v['allreduce_ms']:12.2f}{fraction:>8}"
+              f"{v['after_backward_ms']:10.2f}{v['after_last_backward_ms']:12.2f}"
+              f"{v['buckets']:>9}{rss:>13}")
     print("  " + "; ".join(f"{k} {v:.3f}" if v is not None else f"{k} -"
                            for k, v in d["ratios"].items()))
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -39,14 +40,15 @@ needs_mpi = pytest.mark.skipif(
            "installs mpi4py and mpich")
 
 
-def mpiexec(ranks: int, module: str, *args: str) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m mpi4py -m module args`` on ``ranks`` ranks (an uncaught error on
-    a rank aborts the job). MPICH's own ``MPIEXEC_TIMEOUT`` ends a job that runs too
-    long; should that fail too, the whole process group is killed here."""
+def mpiexec(ranks: int, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m mpi4py args`` (``-m module ...`` or ``script ...``) on ``ranks``
+    ranks (an uncaught error on a rank aborts the job). MPICH's own ``MPIEXEC_TIMEOUT``
+    ends a job that runs too long; should that fail too, the whole process group is
+    killed here."""
     assert MPIEXEC is not None
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MPIEXEC_TIMEOUT": str(JOB_TIMEOUT),
            "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
-    command = [MPIEXEC, "-n", str(ranks), sys.executable, "-m", "mpi4py", "-m", module, *args]
+    command = [MPIEXEC, "-n", str(ranks), sys.executable, "-m", "mpi4py", *args]
     process = subprocess.Popen(command, cwd=ROOT, env=env, text=True, start_new_session=True,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
@@ -59,8 +61,8 @@ def mpiexec(ranks: int, module: str, *args: str) -> subprocess.CompletedProcess[
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
-def run_ok(ranks: int, module: str, *args: str) -> str:
-    result = mpiexec(ranks, module, *args)
+def run_ok(ranks: int, *args: str) -> str:
+    result = mpiexec(ranks, *args)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 
@@ -72,7 +74,7 @@ def gradients(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     """Every scenario's gradients, by ``"scenario/rank/parameter"`` (None: no .grad)."""
     ranks = request.param
     out = tmp_path_factory.mktemp("mpi") / "gradients.npz"
-    run_ok(ranks, "tests.mpi_jobs.gradients", str(out))
+    run_ok(ranks, "-m", "tests.mpi_jobs.gradients", str(out))
     with np.load(out) as saved:
         nones = set(saved["none"].tolist())
         yield ranks, {k: None if k in nones else saved[k] for k in saved.files if k != "none"}
@@ -155,7 +157,7 @@ def test_unused_parameters(gradients: tuple[int, dict[str, np.ndarray | None]]) 
 def test_a_backward_failing_on_one_rank_raises_on_every_rank(tmp_path: Path,
                                                              ranks: int) -> None:
     out = tmp_path / "seen.json"
-    run_ok(ranks, "tests.mpi_jobs.failing", str(out))
+    run_ok(ranks, "-m", "tests.mpi_jobs.failing", str(out))
     seen = json.loads(out.read_text())
     assert [s["rank"] for s in seen] == list(range(ranks))
     message = (f"the backward failed on rank(s) [{ranks - 1}] of {ranks}; every rank raises "
@@ -173,7 +175,7 @@ def test_a_backward_failing_on_one_rank_raises_on_every_rank(tmp_path: Path,
 @pytest.mark.timeout(JOB_TIMEOUT + 30)
 @needs_mpi
 def test_a_rank_that_never_synchronizes_makes_the_others_abort_not_hang() -> None:
-    result = mpiexec(2, "tests.mpi_jobs.stuck")
+    result = mpiexec(2, "-m", "tests.mpi_jobs.stuck")
     assert result.returncode != 0
     assert "rank 0 waited 1.0 s in synchronize() for the other ranks" in result.stderr
     assert "rank 0 returned" not in result.stdout
@@ -183,7 +185,7 @@ def test_a_rank_that_never_synchronizes_makes_the_others_abort_not_hang() -> Non
 @pytest.mark.timeout(JOB_TIMEOUT + 30)
 @needs_mpi
 def test_the_example_trains_on_two_ranks() -> None:
-    stdout = run_ok(2, "examples.data_parallel", "--steps", "60")
+    stdout = run_ok(2, "examples/data_parallel.py", "--steps", "60")  # as the README
     lines = stdout.splitlines()
     assert lines[0] == ("training a 2-32-32-3 MLP on 300 points over 2 ranks, "
                         "150 points on rank 0")
@@ -330,3 +332,19 @@ def test_hidden_counts_the_union_of_the_buckets_before_the_end() -> None:
     assert hidden([], 1.0) == (0.0, 0.0)
     assert hidden([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)], 2.5) == (4.0, 2.5)
     assert hidden([(3.0, 4.0)], 2.0) == (1.0, 0.0)
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 30)
+@needs_mpi
+def test_the_guide_example_runs_on_two_ranks(tmp_path: Path) -> None:
+    """docs/distributed.md's python block, as written, on 2 ranks."""
+    guide = (ROOT / "docs" / "distributed.md").read_text()
+    (block,) = re.findall(r"```python\n(.*?)```", guide, flags=re.DOTALL)
+    script = tmp_path / "guide.py"
+    script.write_text(block)
+    stdout = run_ok(2, str(script))
+    assert stdout.startswith("loss ") and float(stdout.split()[1]) < 0.7
+
+
+def test_the_readme_starts_the_example() -> None:
+    assert "mpiexec -n 2 python examples/data_parallel.py" in (ROOT / "README.md").read_text()
