@@ -244,6 +244,24 @@ def test_buckets_start_in_order_during_the_backward(engine: pargrad.Engine,
         np.testing.assert_allclose(p.grad.data, want, rtol=1e-12)  # type: ignore[union-attr]
 
 
+def test_synchronize_after_backward_async(engine: pargrad.Engine) -> None:
+    """The asynchronous form: the step passes the future's exception (None here, then
+    a failure) to synchronize."""
+    params = model.parameters(np.float64)
+    with DataParallel(params, OneRank(), bucket_bytes=1) as dp:
+        future = pargrad.backward_async(model.loss(params, *model.batch(np.float64)))
+        dp.synchronize(future.exception(timeout=30))
+        for p, want in zip(params, model.reference(np.float64, 1)):
+            np.testing.assert_allclose(p.grad.data, want, rtol=1e-12)  # type: ignore[union-attr]
+        before = [p.grad for p in params]
+        future = pargrad.backward_async(
+            failing.loss(params, *model.batch(np.float64), True))
+        with pytest.raises(DistributedError) as info:
+            dp.synchronize(future.exception(timeout=30))
+        assert isinstance(info.value.__cause__, pargrad.BackwardError)
+        assert all(p.grad is g for p, g in zip(params, before))  # nothing written
+
+
 def test_without_overlap_buckets_start_in_synchronize() -> None:
     params = model.parameters(np.float64)
     with DataParallel(params, OneRank(), bucket_bytes=1, overlap=False) as dp:
