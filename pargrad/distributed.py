@@ -265,9 +265,11 @@ class DataParallel:
     Thread-safety: the hooks may run on any threads at once. ``synchronize`` and
     ``backward`` are called by one thread per rank, between backward calls.
 
-    >>> from pargrad.distributed import DataParallel   # under mpiexec  # doctest: +SKIP
-    >>> dp = DataParallel(params)                                       # doctest: +SKIP
-    >>> dp.backward(loss_fn(params, x[shard(len(x), dp.rank, dp.size)]))  # doctest: +SKIP
+    Example (every rank, under ``mpiexec``; docs/distributed.md has a whole one)::
+
+        dp = DataParallel(params)       # every rank now holds rank 0's values
+        mine = shard(len(x), dp.rank, dp.size)
+        dp.backward(loss_fn(params, x[mine], y[mine]))   # .grad: the mean over ranks
     """
 
     def __init__(self, parameters: Iterable[Tensor], comm: Any = None, *,
@@ -392,14 +394,16 @@ class DataParallel:
 
     def _make_buckets(self, order: list[int]) -> None:
         """Cut ``order`` (parameter indices, expected readiness order) into buckets."""
-        open_: dict[np.dtype, list[int]] = {}
+        open_: dict[np.dtype, tuple[list[int], int]] = {}  # dtype: (indices, bytes)
         groups: list[list[int]] = []
         for i in order:
-            group = open_.setdefault(self.parameters[i].dtype, [])
+            dtype = self.parameters[i].dtype
+            group, nbytes = open_.get(dtype, ([], 0))
             group.append(i)
-            if sum(self.parameters[j].data.nbytes for j in group) >= self.bucket_bytes:
-                groups.append(open_.pop(self.parameters[i].dtype))
-        groups += [g for g in open_.values() if g]
+            open_[dtype] = group, nbytes + self.parameters[i].data.nbytes
+            if open_[dtype][1] >= self.bucket_bytes:
+                groups.append(open_.pop(dtype)[0])
+        groups += [group for group, _ in open_.values()]
         self._buckets: list[_Bucket] = []
         self._where: dict[int, tuple[_Bucket, int]] = {}
         for index, group in enumerate(groups):

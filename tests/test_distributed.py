@@ -300,6 +300,17 @@ def test_a_failing_backward_changes_no_grad(engine: pargrad.Engine, overlap: boo
     assert all(np.array_equal(p.grad.data, np.ones(p.shape)) for p in params)  # type: ignore[union-attr]
 
 
+def test_a_bucket_holds_one_dtype() -> None:
+    a = pargrad.tensor(np.ones(3, np.float32), requires_grad=True)
+    b = pargrad.tensor(np.ones(3), requires_grad=True)
+    c = pargrad.tensor(np.ones(3, np.float32), requires_grad=True)
+    with DataParallel([a, b, c], OneRank()) as dp:
+        assert [k.parameters for k in dp._buckets] == [(2, 0), (1,)]
+        dp.backward((a * 2).sum() + (b * 3).sum() + (c * 4).sum())
+    assert [p.grad.dtype for p in (a, b, c)] == [np.float32, np.float64, np.float32]  # type: ignore[union-attr]
+    assert [p.grad.data.tolist() for p in (a, b, c)] == [[2.0] * 3, [3.0] * 3, [4.0] * 3]  # type: ignore[union-attr]
+
+
 def test_the_core_never_imports_mpi4py() -> None:
     code = ("import sys, pargrad, pargrad.distributed, examples.async_training; "
             "assert 'mpi4py' not in sys.modules, 'mpi4py imported'")
