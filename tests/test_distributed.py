@@ -300,6 +300,18 @@ def test_a_failing_backward_changes_no_grad(engine: pargrad.Engine, overlap: boo
     assert all(np.array_equal(p.grad.data, np.ones(p.shape)) for p in params)  # type: ignore[union-attr]
 
 
+def test_a_second_backward_before_synchronize_fails() -> None:
+    x = pargrad.tensor([1.0, 2.0], requires_grad=True)
+    with DataParallel([x], OneRank(), bucket_bytes=1) as dp:
+        loss = (x * x).sum()
+        loss.backward(retain_graph=True)  # x's bucket starts in its hook
+        with pytest.raises(pargrad.BackwardError) as info:
+            loss.backward()
+        assert "became final twice before synchronize()" in str(info.value.__cause__)
+        dp.synchronize()
+    assert x.grad is not None and x.grad.data.tolist() == [2.0, 4.0]
+
+
 def test_a_bucket_holds_one_dtype() -> None:
     a = pargrad.tensor(np.ones(3, np.float32), requires_grad=True)
     b = pargrad.tensor(np.ones(3), requires_grad=True)
