@@ -19,6 +19,8 @@ import time
 from typing import Any
 
 from benchmarks import report
+from benchmarks.data_parallel import NAME as DATA_PARALLEL
+from benchmarks.data_parallel import print_data_parallel, run_data_parallel
 from benchmarks.measure import machine_facts
 from benchmarks.overlap import NAME as OVERLAP
 from benchmarks.overlap import run_overlap
@@ -91,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     if _selected(OVERLAP, only):
         figures["overlap"] = run_overlap(mode, s.repeats)
         report.print_overlap(figures["overlap"])
+    if _selected(DATA_PARALLEL, only):  # under mpiexec, on 1 and 2 ranks
+        figures[DATA_PARALLEL] = run_data_parallel(mode)
+        print_data_parallel(figures[DATA_PARALLEL])
     default = f"threaded({made.default_workers})"
     if figures["widths"]:
         report.print_widths(figures["widths"])

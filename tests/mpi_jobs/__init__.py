@@ -1,0 +1,1 @@
+"""Programs that tests/test_distributed.py runs on several ranks under mpiexec."""
