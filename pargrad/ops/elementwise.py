@@ -47,6 +47,9 @@ power = defop("power", np.power,
 exp = defop("exp", np.exp, lambda g, ans, x: g * ans)
 log = defop("log", np.log, lambda g, ans, x: g / x)
 sqrt = defop("sqrt", np.sqrt, lambda g, ans, x: g / (2 * ans))
+square = defop("square", np.square, lambda g, ans, x: g * 2 * x)
+log1p = defop("log1p", np.log1p, lambda g, ans, x: g / (1 + x))
+expm1 = defop("expm1", np.expm1, lambda g, ans, x: g * (ans + 1))
 
 # ----- piecewise -----
 # abs'(0) is taken as 0, relu'(0) as 0. maximum/minimum split g evenly on ties.
@@ -78,6 +81,10 @@ tanh = defop("tanh", np.tanh, lambda g, ans, x: g * (1 - ans * ans))
 sigmoid = defop("sigmoid", lambda x: 0.5 * (1 + np.tanh(0.5 * x)),
                 lambda g, ans, x: g * ans * (1 - ans),
                 doc="1 / (1 + exp(-x)), elementwise, without overflow.")
+# softplus' = sigmoid, written as sigmoid's forward so that it dispatches on Tensors.
+softplus = defop("softplus", lambda x: np.logaddexp(0, x),
+                 lambda g, ans, x: g * 0.5 * (1 + np.tanh(0.5 * x)),
+                 doc="log(1 + exp(x)), elementwise, without overflow.")
 
 # ----- copies and dtype -----
 copy = defop("copy", lambda x: np.array(x, copy=True), lambda g, ans, x: g,

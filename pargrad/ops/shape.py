@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from pargrad.numpy_names import numpy_names
 from pargrad.ops.core import array_of, defop, implements, ndim_of, normalize_axis
 from pargrad.shapes import sum_to
 from pargrad.tensor import Tensor
@@ -45,12 +46,14 @@ def reshape(x: Any, shape: Any) -> Tensor:
 
 
 @implements(np.squeeze)
+@numpy_names
 def squeeze(x: Any, axis: Any = None) -> Tensor:
     """Remove axes of length one (all of them if ``axis`` is None)."""
     return _squeeze(x, axis=None if axis is None else _ints(axis))
 
 
 @implements(np.expand_dims)
+@numpy_names
 def expand_dims(x: Any, axis: Any) -> Tensor:
     """Insert axes of length one at ``axis`` (an int or a tuple)."""
     return _expand_dims(x, axis=_ints(axis))
@@ -81,6 +84,7 @@ _split = defop("split", lambda x, *, sections, axis: np.split(x, sections, axis=
 
 
 @implements(np.concatenate)
+@numpy_names
 def concatenate(tensors: Sequence[Any], axis: int | None = 0) -> Tensor:
     """Join tensors along an existing axis (flattened first if ``axis`` is None)."""
     if len(tensors) == 0:
@@ -95,6 +99,7 @@ def concatenate(tensors: Sequence[Any], axis: int | None = 0) -> Tensor:
 
 
 @implements(np.stack)
+@numpy_names
 def stack(tensors: Sequence[Any], axis: int = 0) -> Tensor:
     """Join tensors along a new axis."""
     if len(tensors) == 0:
@@ -103,6 +108,7 @@ def stack(tensors: Sequence[Any], axis: int = 0) -> Tensor:
 
 
 @implements(np.split)
+@numpy_names
 def split(x: Any, indices_or_sections: Any, axis: int = 0) -> tuple[Tensor, ...]:
     """Split into several tensors along ``axis``: one node with several outputs.
 
