@@ -52,13 +52,18 @@ def _logsumexp(x: np.ndarray, *, axis: Axis, keepdims: bool) -> np.ndarray:
 
 
 def _prod_rule(g: Any, ans: Any, x: Any, *, axis: Axis, keepdims: bool) -> Any:
-    # prod'(x_i) is the product of the other elements, also where x has zeros: with one
-    # zero in a slice only that element gets a gradient, with two none does.
+    # prod'(x_i) is the product of the other elements, also where x has zeros, written
+    # without dividing by a zero: the nonzero elements' product times the zeros' (0 if
+    # there are any, but a factor that create_graph differentiates). A zero element gets
+    # the nonzeros' product if it is the only zero in its slice, else 0; its second
+    # derivative with respect to another zero is then taken as 0 (it is the product of
+    # the rest).
     zero = x == 0
     zeros = np.sum(zero, axis=axis, keepdims=True)
-    others = np.prod(np.where(zero, 1, x), axis=axis, keepdims=True)  # of the nonzeros
+    nonzeros = np.prod(np.where(zero, 1, x), axis=axis, keepdims=True)
+    of_zeros = np.prod(np.where(zero, x, 1), axis=axis, keepdims=True)
     return _unreduce(g, axis, keepdims) * np.where(
-        zero, others * (zeros == 1), others * (zeros == 0) / np.where(zero, 1, x))
+        zero, nonzeros * (zeros == 1), nonzeros * of_zeros / np.where(zero, 1, x))
 
 
 # ----- reductions -----
