@@ -412,3 +412,11 @@ def test_operators_call_the_ops_not_the_functions() -> None:
     tensor_module = sys.modules["pargrad.tensor"]
     assert tensor_module._ops.multiply is pargrad.ops.multiply
     assert isinstance(pargrad.ops.multiply, pargrad.ops.Op)
+
+
+def test_every_op_says_its_gradient() -> None:
+    machinery = {"Op", "constant", "defop", "dispatch_function", "dispatch_ufunc", "getitem"}
+    for name in set(pargrad.ops.__all__) - machinery:
+        function = getattr(pargrad, name)
+        assert inspect.isfunction(function), name  # help() shows its signature
+        assert "gradient" in (function.__doc__ or "").lower(), name

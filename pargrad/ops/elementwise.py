@@ -118,7 +118,8 @@ def to(x: Any, device_: str | Device) -> Tensor:
 
 @implements(np.clip)
 def clip(x: Any, a_min: Any = None, a_max: Any = None) -> Tensor:
-    """Limit ``x`` to ``[a_min, a_max]`` (either bound may be None, not both)."""
+    """Limit ``x`` to ``[a_min, a_max]`` (either bound may be None, not both). Gradient: to
+    ``x`` where ``a_min <= x <= a_max``, else to the bound that was used."""
     if a_min is None and a_max is None:
         raise ValueError("clip: one of a_min and a_max must be given")
     return _clip(x, -np.inf if a_min is None else a_min, np.inf if a_max is None else a_max)
@@ -126,7 +127,8 @@ def clip(x: Any, a_min: Any = None, a_max: Any = None) -> Tensor:
 
 @implements(np.where)
 def where(condition: Any, x: Any, y: Any) -> Tensor:
-    """``x`` where ``condition`` holds, else ``y`` (differentiable in ``x`` and ``y``)."""
+    """``x`` where ``condition`` holds, else ``y``. Gradient: ``g`` to ``x`` where the
+    condition holds, to ``y`` elsewhere; none to the condition."""
     return _where(condition, x, y)
 
 

@@ -69,7 +69,8 @@ _transpose = defop("transpose", lambda x, *, axes: np.transpose(x, axes),
 
 @implements(np.transpose)
 def transpose(x: Any, axes: Any = None) -> Tensor:
-    """Permute the axes (reverse them if ``axes`` is None)."""
+    """Permute the axes (reverse them if ``axes`` is None). Gradient: ``g`` with the
+    inverse permutation."""
     ndim = ndim_of(x)
     perm = tuple(range(ndim))[::-1] if axes is None else normalize_axes(axes, ndim, "transpose")
     if len(perm) != ndim:
@@ -79,7 +80,7 @@ def transpose(x: Any, axes: Any = None) -> Tensor:
 
 @implements(np.swapaxes)
 def swapaxes(x: Any, axis1: int, axis2: int) -> Tensor:
-    """Interchange two axes."""
+    """Interchange two axes. Gradient: ``g`` with the two axes swapped back."""
     ndim = ndim_of(x)
     a, b = normalize_axis(axis1, ndim, "swapaxes"), normalize_axis(axis2, ndim, "swapaxes")
     perm = list(range(ndim))

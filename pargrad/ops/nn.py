@@ -33,6 +33,7 @@ _log_softmax_op = defop("log_softmax", _log_softmax,
 @numpy_names
 def softmax(x: Any, axis: int = -1) -> Tensor:
     """``exp(x) / sum(exp(x), axis)``, shifted by the maximum so it never overflows.
+    Gradient: ``ans·(g - sum(g·ans, axis))``.
 
     >>> import pargrad
     >>> pargrad.softmax(pargrad.tensor([0.0, 1000.0]))
@@ -43,5 +44,6 @@ def softmax(x: Any, axis: int = -1) -> Tensor:
 
 @numpy_names
 def log_softmax(x: Any, axis: int = -1) -> Tensor:
-    """``x - logsumexp(x, axis)``: the log of ``softmax`` without its underflow."""
+    """``x - logsumexp(x, axis)``: the log of ``softmax`` without its underflow.
+    Gradient: ``g - softmax(x)·sum(g, axis)``."""
     return _log_softmax_op(x, axis=normalize_axis(axis, ndim_of(x), "log_softmax"))

@@ -104,7 +104,8 @@ def _reduction(op: Op, x: Any, axis: Any, keepdims: bool) -> Tensor:
 @implements(np.sum)
 @numpy_names
 def sum(x: Any, axis: Any = None, keepdims: bool = False) -> Tensor:
-    """Sum over ``axis`` (an int, a tuple, or None for all axes), as ``np.sum``.
+    """Sum over ``axis`` (an int, a tuple, or None for all axes), as ``np.sum``. Gradient:
+    ``g`` broadcast back to every element.
 
     Raises ValueError/TypeError naming ``sum`` for a bad axis.
 
@@ -119,7 +120,8 @@ def sum(x: Any, axis: Any = None, keepdims: bool = False) -> Tensor:
 @implements(np.mean)
 @numpy_names
 def mean(x: Any, axis: Any = None, keepdims: bool = False) -> Tensor:
-    """Arithmetic mean over ``axis`` (all axes if None)."""
+    """Arithmetic mean over ``axis`` (all axes if None). Gradient: ``g / N`` to every
+    element, N the number of elements reduced."""
     return _reduction(_mean, x, axis, keepdims)
 
 
@@ -139,7 +141,8 @@ def min(x: Any, axis: Any = None, keepdims: bool = False) -> Tensor:
 
 @numpy_names
 def logsumexp(x: Any, axis: Any = None, keepdims: bool = False) -> Tensor:
-    """``log(sum(exp(x), axis))``, computed without overflow."""
+    """``log(sum(exp(x), axis))``, computed without overflow. Gradient: ``g·softmax(x)``
+    along ``axis``."""
     return _reduction(_logsumexp_op, x, axis, keepdims)
 
 
@@ -185,14 +188,15 @@ def argmax(x: Any, axis: int | None = None, keepdims: bool = False) -> Any:
 @implements(np.argmin)
 @numpy_names
 def argmin(x: Any, axis: int | None = None, keepdims: bool = False) -> Any:
-    """Indices of the minima along ``axis``, as ``argmax``."""
+    """Indices of the minima along ``axis``, as ``argmax`` (no gradient)."""
     return np.argmin(array_of(x), axis=axis, keepdims=keepdims)
 
 
 @implements(np.cumsum)
 @numpy_names
 def cumsum(x: Any, axis: int | None = None) -> Tensor:
-    """Running sum along ``axis`` (over the flattened ``x`` if None), as ``np.cumsum``."""
+    """Running sum along ``axis`` (over the flattened ``x`` if None), as ``np.cumsum``.
+    Gradient: the running sum of ``g`` from the other end."""
     if axis is None:
         return _cumsum(reshape(x, -1), axis=0)
     return _cumsum(x, axis=normalize_axis(axis, ndim_of(x), "cumsum"))
