@@ -412,7 +412,9 @@ def dispatch_ufunc(
             return op(*inputs)
         if ufunc in CONSTANT_UFUNCS:
             return constant(ufunc, *inputs)
-    if method == "__call__" and "out" in kwargs:  # ``v.data -= lr * v.grad`` lands here
+    outs = kwargs.get("out") or ()
+    if method == "__call__" and outs and not any(isinstance(o, Tensor) for o in outs):
+        # ``v.data -= lr * v.grad`` lands here
         raise TypeError(
             f"numpy.{ufunc.__name__} cannot write into a numpy array (out=, or an in-place "
             f"operator on tensor.data) from a Tensor operand; update the Tensor itself: "
