@@ -1,12 +1,16 @@
-"""Run the benchmark suite: ``python -m benchmarks [--quick | --smoke] [--only NAME,...]
-[--workers 1,2,4] [--json FILE] [--plot FILE] [--no-peers]``, from the repository root.
+"""Run the benchmark suite from the repository root:
+``python -m benchmarks [--quick | --smoke] [--only NAME,...] [--workers N,...] [--json FILE]
+[--plot FILE] [--no-peers]``.
 
-Prints the machine's facts, a table per workload (forward and backward medians, their
-spread, the reference's backward over each contender's, the peak backward memory), the
-speed-up against graph width, the overlap of an asynchronous backward with the rest of a
-training step (``benchmarks/overlap.py``), and the targets with their measured ratios. ``--json``
-saves every figure (each sample); ``--plot`` draws the speed-ups as a PNG (matplotlib).
-Compare figures within one run only: the ratios are what carries over, not the times.
+Prints the machine's facts, a legend, a table per workload (forward and backward medians,
+their spread, the reference's backward over each contender's, the peak backward memory),
+the speed-up against graph width, the overlap of an asynchronous backward with the rest of
+a training step (``benchmarks/overlap.py``), and the targets with their measured ratios,
+those that cannot hold on a machine like this one marked **expected** with the reason.
+Warns at the top and the bottom when the load average says the machine is busy.
+``--json`` saves every figure (each sample); ``--plot`` draws the speed-ups as a PNG
+(matplotlib). Compare figures within one run only: the ratios are what carries over, not
+the times.
 """
 
 from __future__ import annotations
@@ -37,14 +41,23 @@ def _selected(name: str, only: list[str] | None) -> bool:
 
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks",
-                                     description=(__doc__ or "").splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="Time pargrad's engines (and PyTorch and HIPS autograd, if installed) "
+                    "on the same graphs, and compare the ratios with the targets in "
+                    "docs/performance.md. Run it from the repository root.",
+        epilog="The full run takes 4-6 minutes on 2 cores, --quick under 2. Every figure is "
+               "a ratio of two medians from the same run; run on a quiet machine.")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true",
-                      help="3-15 repeats after 1 warm-up, fewer widths and random DAGs")
+                      help="3-15 repeats after 1 warm-up, fewer widths and random DAGs "
+                           "(the default is the full run)")
     mode.add_argument("--smoke", action="store_true",
                       help="tiny graphs, one run each: checks that the suite runs")
-    parser.add_argument("--only", metavar="NAME,...", help="run only these workloads")
+    parser.add_argument("--only", metavar="NAME,...",
+                        help="run only these workloads: wide-matmul, wide-elementwise, "
+                             "tiny-chain, fan-in, mlp-step, random-dag (every size), "
+                             "overlap")
     parser.add_argument("--workers", metavar="N,...", default="1,2,4",
                         help="the ThreadedEngine worker counts to compare (default 1,2,4)")
     parser.add_argument("--json", metavar="FILE", help="write every figure to FILE")
@@ -67,9 +80,13 @@ def main(argv: list[str] | None = None) -> int:
     with contenders(workers, s.cores, use_peers=not args.no_peers) as made:
         facts.update(versions(made.peers))
         gc.freeze()  # what exists now is never garbage: collections between runs skip it
+        busy = report.load_warning(facts["load_average_at_start"][0], s.cores, before=True)
+        if busy:
+            print(busy)
         print("machine:")
         for key, value in facts.items():
             print(f"  {key}: {value}")
+        report.print_legend()
         print(f"{mode} run: {s.repeats}-{s.max_repeats} repeats after {s.warmup} warm-up "
               f"(as many as fit in {s.budget_s:.0f} s per workload), medians; "
               f"the default engine is threaded({made.default_workers})")
@@ -103,11 +120,14 @@ def main(argv: list[str] | None = None) -> int:
                          for w in figures["workloads"]}
     figures["targets"] = report.targets(figures["workloads"], s.cores, default)
     if figures["targets"]:
-        report.print_targets(figures["targets"])
+        report.print_targets(figures["targets"], mode)
     figures["seconds"] = time.perf_counter() - started
     facts["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     print(f"\n{mode} run took {figures['seconds']:.0f} s; load average at the end "
           f"{facts['load_average_at_end']}")
+    busy = report.load_warning(facts["load_average_at_end"][0], s.cores, before=False)
+    if busy:
+        print(busy)
     if args.json:
         report.write_json(args.json, figures)
         print(f"wrote {args.json}")

@@ -30,7 +30,7 @@ def load(threads: int) -> tuple[dict[str, Any], dict[str, str]]:
     try:
         import torch
     except ImportError as exc:
-        skipped["torch"] = f"not installed ({exc}); pip install -e '.[peers]'"
+        skipped["torch"] = _missing(exc, "torch")
     else:
         torch.set_num_threads(threads)
         found["torch"] = torch
@@ -38,11 +38,18 @@ def load(threads: int) -> tuple[dict[str, Any], dict[str, str]]:
         import autograd
         import autograd.numpy
         import autograd.scipy.special
-    except ImportError as exc:
-        skipped["hips"] = f"not installed ({exc}); pip install -e '.[peers]'"
+    except ImportError as exc:  # autograd.scipy needs scipy: the extra brings autograd[scipy]
+        skipped["hips"] = _missing(exc, "autograd")
     else:
         found["hips"] = autograd
     return found, skipped
+
+
+def _missing(exc: ImportError, importing: str) -> str:
+    """Why a peer is skipped: the package that did not import (``importing`` unless the
+    error names another, as autograd's does for scipy), and how to get it."""
+    package = (exc.name or importing).split(".")[0]
+    return f"not installed: needs {package} ({exc}); pip install -e '.[peers]'"
 
 
 def versions(found: dict[str, Any]) -> dict[str, Any]:

@@ -18,6 +18,7 @@ benchmark issue (docs/performance.md), for this 2-core machine:
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from benchmarks.suite import SEQUENTIAL, ceiling_names
@@ -72,11 +73,41 @@ def ratios(workload: dict[str, Any], cores: int, default: str) -> dict[str, floa
     return out
 
 
+# ----- targets that cannot hold on a machine like this one -----
+# (workloads, target) as regular expressions matching a target's name -> why it fails
+# here; docs/performance.md, "The targets", has the measurements behind each reason.
+EXPECTED: list[tuple[str, str, str]] = [
+    ("tiny-chain", r".* backward per node",
+     "Python per node: about 10 us in pargrad against 6 in PyTorch's C++ engine"),
+    ("fan-in", r"slowest threaded / sequential \(.*deterministic\)\)",
+     "deterministic mode folds the 256 gradients into x on one thread, at the end"),
+    (r"random-dag:\d+", r"slowest threaded / sequential .*",
+     "nodes of 2x2 arrays leave threads nothing to run at once: what shows is the "
+     "threaded engine's bookkeeping"),
+    ("wide-matmul|wide-elementwise|fan-in", r"largest threaded peak memory / sequential .*",
+     "branches running at once each hold their working gradients (plain threads pay the "
+     "same)"),
+    (r"random-dag:(?:12|30)", r"largest threaded peak memory / sequential .*",
+     "the ~4 KB a GraphTask costs beyond the reference is a large part of a small graph's "
+     "backward"),
+]
+EXPECTED_SEE = 'docs/performance.md, "The targets"'
+
+
+def expected_failure(target: str) -> str | None:
+    """Why ``target`` cannot hold on a machine like this one, or None if it should."""
+    for workloads, what, reason in EXPECTED:
+        if re.fullmatch(rf"(?:{workloads}): {what}", target):
+            return reason
+    return None
+
+
 def _target(results: list[dict[str, Any]], what: str, value: float | None, limit: float,
             at_least: bool, measured: str) -> None:
     holds = None if value is None else value >= limit if at_least else value <= limit
     results.append({"target": what, "value": value, "sign": ">=" if at_least else "<=",
-                    "limit": limit, "holds": holds, "measured": measured})
+                    "limit": limit, "holds": holds, "measured": measured,
+                    "expected_failure": expected_failure(what)})
 
 
 def targets(workloads: list[dict[str, Any]], cores: int, default: str) -> list[dict[str, Any]]:
@@ -153,15 +184,62 @@ def print_overlap(o: dict[str, Any]) -> None:
     print(f"  parameters ready, ms after backward_async: {ready}")
 
 
-def print_targets(results: list[dict[str, Any]]) -> None:
+def print_targets(results: list[dict[str, Any]], mode: str) -> None:
     print("\ntargets (ratios of medians in this run):")
+    if mode == "smoke":
+        print("  (smoke run: tiny graphs, one repeat each; these figures show that the suite "
+              "runs, they measure nothing)")
     width = max(len(r["target"]) for r in results) + 2
+    unexplained = False
     for r in results:
         if r["value"] is None:
             verdict, value = "not measured", "     -"
         else:
             verdict, value = ("holds" if r["holds"] else "FAILS"), f"{r['value']:6.3f}"
+        if r["holds"] is False and r["expected_failure"]:
+            verdict += f" **expected**: {r['expected_failure']} ({EXPECTED_SEE})"
+        elif r["holds"] is False:
+            unexplained = True
         print(f"  {r['target']:<{width}}{value} (target {r['sign']} {r['limit']})  {verdict}")
+    if unexplained:
+        print("  A FAILS not marked expected can hold here: a quick run's ratios move by "
+              "about 20% between runs, more on a busy machine (see the load average); rerun "
+              "that workload (--only NAME), or read docs/performance.md")
+
+
+LEGEND = """\
+How to read the figures (every ratio is of two medians measured in this run):
+  speed-up, seq/this  the reference's (SequentialEngine's) backward time over this
+                      contender's: above 1 is faster than the reference, below 1 slower
+  ceiling             plain Python threads running the same numpy kernels with no engine:
+                      about the most threading can gain on this machine
+  ±IQR/2              half the interquartile range of the backward times, over the
+                      median: how much the repeats spread (the noise)
+  peak MB             the most memory the backward held beyond what it started with
+  targets             each ratio against its limit: "holds" or "FAILS"; a FAILS marked
+                      **expected** cannot hold on a machine like this one (the reason is
+                      given; docs/performance.md has the measurements)"""
+
+
+def print_legend() -> None:
+    print(LEGEND)
+
+
+# Load averages (1 minute) above these fractions of the cores mean other work shares the
+# machine: before the run, anything at all; after it, more than the run itself (which
+# keeps about all the cores busy).
+BUSY_BEFORE, BUSY_AFTER = 0.5, 1.5
+
+
+def load_warning(load: float, cores: int, before: bool) -> str | None:
+    """A warning if the 1-minute ``load`` average says the machine is busy, else None."""
+    limit = (BUSY_BEFORE if before else BUSY_AFTER) * cores
+    if load <= limit:
+        return None
+    when = "before the run" if before else "at the end of the run"
+    return (f"WARNING: the machine is busy: load average {load:.2f} {when}, over "
+            f"{limit:.1f} on {cores} cores; other work shares the cores, so these figures "
+            f"are unreliable (rerun on a quiet machine)")
 
 
 def print_widths(widths: dict[str, Any]) -> None:

@@ -177,12 +177,17 @@ def run_workload(workload: Workload, made: Contenders, s: Settings) -> dict[str,
     started = time.perf_counter()
     trials, kinds, skipped = trials_of(workload, made, s.cores)
     measured = [name for name in trials if kinds[name] != "peer"]
-    bar = progress(len(trials) * (1 + s.warmup + s.repeats) + len(measured) * s.memory_repeats,
-                   workload.name)
+    # The check's round sets how many repeats fit the budget, so it has a bar of its own
+    # and the measuring bar's total is known before it starts.
+    bar = progress(len(trials), f"{workload.name}: check")
     try:
         round_s = check(trials, bar.update)
-        repeats = min(s.max_repeats, max(s.repeats, int(s.budget_s / round_s)))
-        bar.total += len(trials) * (repeats - s.repeats)
+    finally:
+        bar.close()
+    repeats = min(s.max_repeats, max(s.repeats, int(s.budget_s / round_s)))
+    bar = progress(len(trials) * (s.warmup + repeats) + len(measured) * s.memory_repeats,
+                   workload.name)
+    try:
         samples = measure(trials, repeats, s.warmup, bar.update)
         memory = {}
         for name in measured:

@@ -8,7 +8,7 @@
 tensor([5., 7.], dtype=float64)
 """
 
-from pargrad import viz
+from pargrad import random, viz
 from pargrad.anomaly import (
     detect_anomaly,
     is_anomaly_check_nan_enabled,
@@ -17,6 +17,19 @@ from pargrad.anomaly import (
 )
 from pargrad.autograd import backward, backward_async, grad, grad_async
 from pargrad.checkpoint import checkpoint
+from pargrad.creation import (
+    arange,
+    empty,
+    eye,
+    from_numpy,
+    full,
+    full_like,
+    linspace,
+    ones,
+    ones_like,
+    zeros,
+    zeros_like,
+)
 from pargrad.devices import Device, device
 from pargrad.engine import (
     Engine,
@@ -33,61 +46,84 @@ from pargrad.futures import BackwardFuture
 from pargrad.grad_mode import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 from pargrad.gradcheck import GradcheckError, gradcheck, gradgradcheck
 from pargrad.graph import AccumulateGrad, BackwardError, Node
+from pargrad.losses import binary_cross_entropy_with_logits, cross_entropy, mse_loss, nll_loss
 from pargrad.ops import (
-    abs,
-    add,
+    argmax,
+    argmin,
     astype,
     broadcast_to,
     clip,
     concatenate,
+    cumsum,
+    dot,
+    expand_dims,
+    log_softmax,
+    logsumexp,
+    max,
+    mean,
+    min,
+    outer,
+    prod,
+    reshape,
+    softmax,
+    split,
+    squeeze,
+    stack,
+    std,
+    sum,
+    swapaxes,
+    to,
+    transpose,
+    var,
+    where,
+)
+
+# The ops that are Op instances, as functions with their own signatures and docstrings.
+from pargrad.ops.functions import (
+    abs,
+    add,
     copy,
     cos,
     divide,
     exp,
-    expand_dims,
+    expm1,
     log,
-    log_softmax,
-    logsumexp,
+    log1p,
     matmul,
-    max,
     maximum,
-    mean,
-    min,
     minimum,
     multiply,
     negative,
     power,
     relu,
-    reshape,
     sigmoid,
     sin,
-    softmax,
-    split,
+    softplus,
     sqrt,
-    squeeze,
-    stack,
+    square,
     subtract,
-    sum,
-    swapaxes,
     tanh,
-    to,
-    transpose,
-    where,
 )
+from pargrad.random import Generator, rand, randn
 from pargrad.tensor import Tensor, tensor
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AccumulateGrad", "BackwardError", "BackwardFuture", "Device", "Engine", "Function",
-    "FunctionCtx", "GradcheckError", "Node", "SequentialEngine", "Tensor", "ThreadedEngine", "abs",
-    "add", "astype", "backward", "backward_async", "broadcast_to", "checkpoint", "clip",
-    "concatenate", "copy", "cos", "current_engine", "detect_anomaly", "device", "divide",
-    "enable_grad", "exp", "expand_dims", "get_default_engine", "grad", "grad_async", "gradcheck",
-    "gradgradcheck", "is_anomaly_check_nan_enabled", "is_anomaly_enabled", "is_grad_enabled", "log",
-    "log_softmax", "logsumexp", "matmul", "max", "maximum", "mean", "min", "minimum", "multiply",
-    "negative", "no_grad", "once_differentiable", "power", "profile", "relu", "reshape",
-    "set_default_engine", "set_detect_anomaly", "set_grad_enabled", "sigmoid", "sin", "softmax",
-    "split", "sqrt", "squeeze", "stack", "subtract", "sum", "swapaxes", "tanh", "tensor", "to",
-    "transpose", "use_engine", "viz", "where",
+    "FunctionCtx", "Generator", "GradcheckError", "Node", "SequentialEngine", "Tensor",
+    "ThreadedEngine", "abs", "add", "arange", "argmax", "argmin", "astype", "backward",
+    "backward_async", "binary_cross_entropy_with_logits", "broadcast_to", "checkpoint", "clip",
+    "concatenate", "copy", "cos", "cross_entropy", "cumsum", "current_engine",
+    "detect_anomaly", "device", "divide", "dot", "empty", "enable_grad", "exp", "expand_dims",
+    "expm1", "eye", "from_numpy", "full", "full_like", "get_default_engine", "grad",
+    "grad_async", "gradcheck", "gradgradcheck", "is_anomaly_check_nan_enabled",
+    "is_anomaly_enabled", "is_grad_enabled", "linspace", "log", "log1p", "log_softmax",
+    "logsumexp", "matmul", "max", "maximum", "mean", "min", "minimum", "mse_loss", "multiply",
+    "negative", "nll_loss", "no_grad", "once_differentiable", "ones", "ones_like", "outer",
+    "power", "prod", "profile", "rand", "randn", "random", "relu", "reshape",
+    "set_default_engine", "set_detect_anomaly", "set_grad_enabled", "sigmoid", "sin",
+    "softmax", "softplus", "split", "sqrt", "square", "squeeze", "stack", "std", "subtract",
+    "sum", "swapaxes", "tanh", "tensor", "to", "transpose", "use_engine", "var", "viz",
+    "where", "zeros", "zeros_like",
 ]

@@ -58,7 +58,19 @@ def backward(
     >>> x.grad
     tensor([2., 4., 6.], dtype=float64)
     """
-    call = _BackwardCall(tensors, grad_tensors, retain_graph, create_graph, inputs, engine)
+    _run(_BackwardCall(tensors, grad_tensors, retain_graph, create_graph, inputs, engine))
+
+
+def tensor_backward(tensor: Tensor, gradient: Any, retain_graph: bool | None,
+                    create_graph: bool, inputs: Tensor | Sequence[Tensor] | None,
+                    engine: Engine | None) -> None:
+    """``Tensor.backward``: ``backward(tensor, gradient, ...)``, whose messages then name
+    the method's parameter (``gradient=``)."""
+    _run(_BackwardCall(tensor, [gradient], retain_graph, create_graph, inputs, engine,
+                       caller="Tensor.backward"))
+
+
+def _run(call: _BackwardCall) -> None:
     try:
         kept = call.engine.execute(call.roots, call.grads, **call.options())
     except BaseException:
@@ -193,9 +205,10 @@ class _BackwardCall(_Call):
     commits of its post-accumulate-grad leaves, and the commit of the rest."""
 
     def __init__(self, tensors: Any, grad_tensors: Any, retain_graph: bool | None,
-                 create_graph: bool, inputs: Any, engine: Engine | None) -> None:
+                 create_graph: bool, inputs: Any, engine: Engine | None,
+                 caller: str = "backward") -> None:
         roots = _as_tensors(tensors, "backward")
-        grads = _root_grads(roots, grad_tensors, create_graph)
+        grads = _root_grads(roots, grad_tensors, create_graph, caller)
         self.targets = None if inputs is None else _inputs(inputs, "backward")
         self._set(roots, grads, retain_graph, create_graph, engine)
         self.early = _EarlyCommits(create_graph)
@@ -227,7 +240,7 @@ class _GradCall(_Call):
         self.materialize_grads = materialize_grads
         roots = _as_tensors(outputs, "grad")
         self.targets = _inputs(inputs, "grad")
-        grads = _root_grads(roots, grad_outputs, create_graph)
+        grads = _root_grads(roots, grad_outputs, create_graph, "grad")
         self._set(roots, grads, retain_graph, create_graph, engine)
         self.edges = [t._edge() for t in self.targets]
 
@@ -339,7 +352,13 @@ def _inputs(inputs: Any, caller: str) -> tuple[Tensor, ...]:
     return targets
 
 
-def _root_grads(roots: tuple[Tensor, ...], grad_tensors: Any, create_graph: bool) -> list[Grad]:
+# Per caller: what its message calls the roots and their gradients (its parameters).
+_PARAMETERS = {"backward": ("tensors", "grad_tensors"), "grad": ("outputs", "grad_outputs"),
+               "Tensor.backward": ("the tensor", "gradient")}
+
+
+def _root_grads(roots: tuple[Tensor, ...], grad_tensors: Any, create_graph: bool,
+                caller: str) -> list[Grad]:
     if grad_tensors is None:
         given: tuple[Any, ...] = (None,) * len(roots)
     elif len(roots) == 1 and not isinstance(grad_tensors, (list, tuple)):
@@ -347,16 +366,24 @@ def _root_grads(roots: tuple[Tensor, ...], grad_tensors: Any, create_graph: bool
     else:
         given = tuple(grad_tensors)
     if len(given) != len(roots):
-        raise ValueError(f"backward: got {len(given)} gradients for {len(roots)} tensors")
-    return [_root_grad(i, t, g, create_graph) for i, (t, g) in enumerate(zip(roots, given))]
+        what, parameter = _PARAMETERS[caller]
+        raise ValueError(f"{caller}: got {len(given)} gradients in {parameter}= for "
+                         f"{len(roots)} {what}")
+    return [_root_grad(i, t, g, create_graph, caller)
+            for i, (t, g) in enumerate(zip(roots, given))]
 
 
-def _root_grad(i: int, root: Tensor, grad: Any, create_graph: bool) -> Grad:
+def _root_grad(i: int, root: Tensor, grad: Any, create_graph: bool, caller: str) -> Grad:
+    what, parameter = _PARAMETERS[caller]
+    one = caller == "Tensor.backward"
+    name, grad_name = (what, parameter) if one else (f"{what}[{i}]", f"{parameter}[{i}]")
     if grad is None:
         if root.size != 1:
+            each = "an array of that shape" if one else f"one array per {what[:-1]}, of its shape"
             raise RuntimeError(
-                f"backward: tensors[{i}] has shape {root.shape}; a gradient can be implied "
-                f"only for a tensor with one element, so pass gradient= (same shape)"
+                f"{caller}: {name} has shape {root.shape}; a gradient can be implied only "
+                f"for a tensor with one element, so pass {parameter}= ({each}), or reduce "
+                f"it to one element first (.sum())"
             )
         array = np.ones(root.shape, root.dtype)
     else:
@@ -366,12 +393,12 @@ def _root_grad(i: int, root: Tensor, grad: Any, create_graph: bool) -> Grad:
         array = np.asarray(array)
         if array.shape != root.shape:
             raise ValueError(
-                f"backward: gradient {i} has shape {array.shape}, but tensors[{i}] has shape "
+                f"{caller}: {grad_name} has shape {array.shape}, but {name} has shape "
                 f"{root.shape}"
             )
         if array.dtype != root.dtype:
             raise TypeError(
-                f"backward: gradient {i} has dtype {array.dtype}, but tensors[{i}] has dtype "
+                f"{caller}: {grad_name} has dtype {array.dtype}, but {name} has dtype "
                 f"{root.dtype}; cast it with .astype(np.{root.dtype})"
             )
     if create_graph:

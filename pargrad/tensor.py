@@ -9,6 +9,7 @@ gradient rule run unchanged on Tensors when a backward records its own graph.
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,7 @@ from pargrad.devices import CPU, Device
 from pargrad.devices import device as as_device
 from pargrad.graph import AccumulateGrad, Edge, Meta, Node
 from pargrad.hooks import Hook, NodeHooks, RemovableHandle
+from pargrad.numpy_names import numpy_names
 from pargrad.versions import Saved, VersionCounter, counter_of
 from pargrad.views import View, refresh
 
@@ -31,6 +33,40 @@ _accumulator_lock = threading.Lock()
 # Guards every tensor's _grad: the .grad setter, and a backward's commit (which reads
 # the old gradient and writes the sum), so that no concurrent contribution is lost.
 grad_lock = threading.Lock()
+
+
+# Array kinds a Tensor may hold: bool, signed and unsigned integers, floats, complex.
+NUMERIC_KINDS = frozenset("biufc")
+
+
+def _leaf_data(data: Any) -> Any:
+    """What ``Tensor(data)`` copies: a Tensor's array. A Tensor that requires grad is
+    copied without its graph, with a warning (as torch's); Tensors that require grad
+    inside a list are refused, since their gradients would be lost silently."""
+    if isinstance(data, Tensor):
+        if data.requires_grad:
+            warnings.warn(
+                "pargrad.tensor(t) copies t's values into a new leaf, cut off from t's graph "
+                "(no gradient reaches t); write t.detach().copy() to say so, or pargrad.copy(t) "
+                "for a differentiable copy", UserWarning, stacklevel=4)
+        return data.data
+    if isinstance(data, (list, tuple)) and _holds_tensor_requiring_grad(data):
+        raise TypeError(
+            "pargrad.tensor got a list holding Tensors that require grad: it would copy their "
+            "values and lose their gradients; use pargrad.stack(list) (or "
+            "pargrad.concatenate) to combine them differentiably"
+        )
+    return data
+
+
+def _holds_tensor_requiring_grad(items: list[Any] | tuple[Any, ...]) -> bool:
+    for item in items:
+        if isinstance(item, Tensor):
+            if item.requires_grad:
+                return True
+        elif isinstance(item, (list, tuple)) and _holds_tensor_requiring_grad(item):
+            return True
+    return False
 
 
 def _check_can_require_grad(dtype: np.dtype) -> None:
@@ -73,7 +109,14 @@ class Tensor:
     def __init__(
         self, data: Any, requires_grad: bool = False, dtype: Any = None, device: Any = None
     ) -> None:
-        array = np.array(data.data if isinstance(data, Tensor) else data, dtype=dtype)
+        array = np.array(_leaf_data(data), dtype=dtype)
+        if array.dtype.kind not in NUMERIC_KINDS:
+            raise TypeError(
+                f"pargrad.tensor takes numbers (bool, integer, float or complex), but this "
+                f"data makes a numpy array of dtype {array.dtype}"
+                f"{' (objects of mixed or non-numeric types)' if array.dtype.kind == 'O' else ''}"
+                f"; convert it to numbers first"
+            )
         if requires_grad:
             _check_can_require_grad(array.dtype)
         self.data = array
@@ -133,7 +176,17 @@ class Tensor:
 
     @property
     def grad(self) -> Tensor | None:
-        """The gradient accumulated into this leaf by backward calls, or None."""
+        """The gradient accumulated into this leaf by backward calls, or None.
+
+        A non-leaf tensor gets one only if ``retain_grad()`` was called on it; reading
+        ``.grad`` of one that did not warns (as in PyTorch), since it stays None.
+        """
+        if self._grad is None and self.grad_fn is not None and not self.retains_grad:
+            warnings.warn(
+                "reading .grad of a non-leaf tensor (one made by an op, with a grad_fn): "
+                "backward does not fill it, so it is None; call .retain_grad() on it before "
+                "the backward to keep its gradient, or read .grad of the leaf you made "
+                "with requires_grad=True", UserWarning, stacklevel=2)
         return self._grad
 
     @grad.setter
@@ -328,9 +381,9 @@ class Tensor:
         >>> x.grad
         tensor([2., 4.], dtype=float64)
         """
-        from pargrad.autograd import backward
+        from pargrad.autograd import tensor_backward
 
-        backward(self, [gradient], retain_graph, create_graph, inputs, engine=engine)
+        tensor_backward(self, gradient, retain_graph, create_graph, inputs, engine)
 
     # ----- array facts -----
 
@@ -642,6 +695,87 @@ class Tensor:
     def swapaxes(self, axis1: int, axis2: int) -> Tensor:
         return _ops.swapaxes(self, axis1, axis2)
 
+    # ----- more methods: numpy's, and torch's names a newcomer tries -----
+
+    def tolist(self) -> Any:
+        """The values as (nested) Python lists, as ``ndarray.tolist``."""
+        return self.data.tolist()
+
+    def clone(self) -> Tensor:
+        """A differentiable copy with its own memory (torch's name for ``copy()``)."""
+        return _ops.copy(self)
+
+    @property
+    def mT(self) -> Tensor:
+        """The last two axes swapped (the transpose of each matrix in a stack)."""
+        return _ops.swapaxes(self, -1, -2)
+
+    def square(self) -> Tensor:
+        return _ops.square(self)
+
+    def pow(self, exponent: Any) -> Tensor:
+        """``self ** exponent``."""
+        return _ops.power(self, exponent)
+
+    def log1p(self) -> Tensor:
+        return _ops.log1p(self)
+
+    def expm1(self) -> Tensor:
+        return _ops.expm1(self)
+
+    def softplus(self) -> Tensor:
+        return _ops.softplus(self)
+
+    def dot(self, other: Any) -> Tensor:
+        return _ops.dot(self, other)
+
+    def prod(self, axis: Any = None, keepdims: bool = False) -> Tensor:
+        return _ops.prod(self, axis=axis, keepdims=keepdims)
+
+    def cumsum(self, axis: int | None = None) -> Tensor:
+        return _ops.cumsum(self, axis=axis)
+
+    def var(self, axis: Any = None, keepdims: bool = False, ddof: int = 0) -> Tensor:
+        return _ops.var(self, axis=axis, keepdims=keepdims, ddof=ddof)
+
+    def std(self, axis: Any = None, keepdims: bool = False, ddof: int = 0) -> Tensor:
+        return _ops.std(self, axis=axis, keepdims=keepdims, ddof=ddof)
+
+    def argmax(self, axis: int | None = None, keepdims: bool = False) -> Any:
+        """Indices of the maxima, as ``np.argmax`` returns them (no gradient)."""
+        return _ops.argmax(self, axis=axis, keepdims=keepdims)
+
+    def argmin(self, axis: int | None = None, keepdims: bool = False) -> Any:
+        """Indices of the minima, as ``np.argmin`` returns them (no gradient)."""
+        return _ops.argmin(self, axis=axis, keepdims=keepdims)
+
+    def all(self, axis: Any = None) -> Any:
+        """Whether every element is true, as ``np.all`` (no gradient)."""
+        return np.all(self.data, axis=axis)
+
+    def any(self, axis: Any = None) -> Any:
+        """Whether any element is true, as ``np.any`` (no gradient)."""
+        return np.any(self.data, axis=axis)
+
+    # torch's casts: differentiable, as astype (last in the class: ``float`` and ``half``
+    # would shadow the builtin names in the annotations of methods after them).
+    def double(self) -> Tensor:
+        """``astype(np.float64)``."""
+        return _ops.astype(self, np.float64)
+
+    def half(self) -> Tensor:
+        """``astype(np.float16)``."""
+        return _ops.astype(self, np.float16)
+
+    def long(self) -> Tensor:
+        """``astype(np.int64)`` (no gradient: an integer result)."""
+        return _ops.astype(self, np.int64)
+
+    def float(self) -> Tensor:
+        """``astype(np.float32)`` (torch's ``float`` is 32 bits; ``float(t)`` of a
+        one-element tensor still gives a Python float)."""
+        return _ops.astype(self, np.float32)
+
 
 def input_edges(args: Sequence[Any]) -> tuple[tuple[Edge, ...], tuple[Meta | None, ...]]:
     """The edges a new node holds to its positional arguments, and their (shape, dtype).
@@ -717,3 +851,8 @@ def tensor(
 # Imported last: the ops build Tensors, and Tensor's operators call the ops.
 from pargrad import ops as _ops  # noqa: E402
 from pargrad.ops import inplace as _inplace  # noqa: E402
+
+# Methods with an axis: torch's dim= / keepdim= get a message naming numpy's keywords.
+for _name in ("sum", "mean", "max", "min", "logsumexp", "softmax", "log_softmax", "squeeze",
+              "expand_dims", "split", "prod", "cumsum", "var", "std", "argmax", "argmin"):
+    setattr(Tensor, _name, numpy_names(getattr(Tensor, _name)))

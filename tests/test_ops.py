@@ -61,6 +61,10 @@ UNARY = {
     "reciprocal": (lambda x: 1 / x, {"away_from": 0.0, "margin": 0.3}),
     "rpow": (lambda x: 2 ** x, {}),
     "scalar_mix": (lambda x: 1 - 3 * x / 2 + 0.5, {}),
+    "square_op": (pargrad.square, {}),
+    "log1p": (pargrad.log1p, {"low": -0.7, "high": 3.0}),
+    "expm1": (pargrad.expm1, {}),
+    "softplus": (pargrad.softplus, {}),
 }
 
 
@@ -121,7 +125,7 @@ def axis_for(draw: st.DrawFn, shape: tuple[int, ...]) -> Any:
 
 REDUCTIONS = {
     "sum": pargrad.sum, "mean": pargrad.mean, "max": pargrad.max, "min": pargrad.min,
-    "logsumexp": pargrad.logsumexp,
+    "logsumexp": pargrad.logsumexp, "prod": pargrad.prod,
 }
 
 

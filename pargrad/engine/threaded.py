@@ -881,8 +881,11 @@ class ThreadedEngine(Engine):
 
 
 def _with_hint(error: BaseException) -> BaseException:
-    """Name the engine in a node's error, and how to rerun on the reference."""
-    if isinstance(error, BackwardError) and ENGINE_HINT not in error.detail:
+    """Name the engine in the error of a node whose code raised (``__cause__``), and how
+    to rerun on the reference; not in errors that say what the caller did wrong
+    (a released graph, a changed saved tensor, a gradient of the wrong shape)."""
+    if (isinstance(error, BackwardError) and error.__cause__ is not None
+            and ENGINE_HINT not in error.detail):
         error.detail += ENGINE_HINT
         error.args = (f"{error.node_name}: {error.detail}",)
     return error

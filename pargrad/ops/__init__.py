@@ -10,7 +10,9 @@ from pargrad.ops.elementwise import (
     cos,
     divide,
     exp,
+    expm1,
     log,
+    log1p,
     maximum,
     minimum,
     multiply,
@@ -19,15 +21,29 @@ from pargrad.ops.elementwise import (
     relu,
     sigmoid,
     sin,
+    softplus,
     sqrt,
+    square,
     subtract,
     tanh,
     to,
     where,
 )
-from pargrad.ops.linalg import matmul, swapaxes, transpose
+from pargrad.ops.linalg import dot, matmul, outer, swapaxes, transpose
 from pargrad.ops.nn import log_softmax, softmax
-from pargrad.ops.reductions import logsumexp, max, mean, min, sum
+from pargrad.ops.reductions import (
+    argmax,
+    argmin,
+    cumsum,
+    logsumexp,
+    max,
+    mean,
+    min,
+    prod,
+    std,
+    sum,
+    var,
+)
 from pargrad.ops.shape import (
     broadcast_to,
     concatenate,
@@ -40,10 +56,11 @@ from pargrad.ops.shape import (
 )
 
 __all__ = [
-    "Op", "abs", "add", "astype", "broadcast_to", "clip", "concatenate", "constant", "copy", "cos",
-    "defop", "dispatch_function", "dispatch_ufunc", "divide", "exp", "expand_dims", "getitem",
-    "log", "log_softmax", "logsumexp", "matmul", "max", "maximum", "mean", "min", "minimum",
-    "multiply", "negative", "power", "relu", "reshape", "sigmoid", "sin", "softmax", "split",
-    "sqrt", "squeeze", "stack", "subtract", "sum", "swapaxes", "tanh", "to", "transpose",
+    "Op", "abs", "add", "argmax", "argmin", "astype", "broadcast_to", "clip", "concatenate",
+    "constant", "copy", "cos", "cumsum", "defop", "dispatch_function", "dispatch_ufunc", "divide",
+    "dot", "exp", "expand_dims", "expm1", "getitem", "log", "log1p", "log_softmax", "logsumexp",
+    "matmul", "max", "maximum", "mean", "min", "minimum", "multiply", "negative", "outer", "power",
+    "prod", "relu", "reshape", "sigmoid", "sin", "softmax", "softplus", "split", "sqrt", "square",
+    "squeeze", "stack", "std", "subtract", "sum", "swapaxes", "tanh", "to", "transpose", "var",
     "where",
 ]

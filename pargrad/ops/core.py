@@ -308,7 +308,8 @@ def _forward_error(
 ) -> Exception:
     operands = "; ".join(_describe(a) for a in arrays)
     extra = "".join(f", {k}={v!r}" for k, v in params.items())
-    message = f"{name}: {exc} (operands: {operands}{extra})"
+    text = str(exc).removeprefix(f"{name}: ")  # numpy's own may name the op already
+    message = f"{name}: {text} (operands: {operands}{extra})"
     kind = next(k for k in (ValueError, IndexError, TypeError) if isinstance(exc, k))
     return kind(message)
 
@@ -508,6 +509,21 @@ def implements(*numpy_functions: Callable[..., Any]) -> Callable[[Callable[..., 
     return register
 
 
+# Numpy functions whose result carries no gradient (indices, counts, truth values): on
+# Tensors they return what they return on the Tensors' arrays.
+PLAIN_FUNCTIONS = frozenset({
+    np.argsort, np.argwhere, np.nonzero, np.flatnonzero, np.count_nonzero, np.searchsorted,
+    np.all, np.any, np.isclose, np.allclose, np.array_equal, np.shape, np.ndim, np.size,
+})
+
+
+def _plain(value: Any) -> Any:
+    """A Tensor's array, also inside a list or tuple; anything else as it is."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    return array_of(value)
+
+
 def constant(ufunc: Callable[..., Any], *args: Any) -> Tensor:
     """Apply a numpy function to the arrays of ``args``; the result needs no gradient."""
     on = common_device(args, getattr(ufunc, "__name__", "constant"))
@@ -524,6 +540,15 @@ def dispatch_ufunc(
             return op(*inputs)
         if ufunc in CONSTANT_UFUNCS:
             return constant(ufunc, *inputs)
+    outs = kwargs.get("out") or ()
+    if method == "__call__" and outs and not any(isinstance(o, Tensor) for o in outs):
+        # ``v.data -= lr * v.grad`` lands here
+        raise TypeError(
+            f"numpy.{ufunc.__name__} cannot write into a numpy array (out=, or an in-place "
+            f"operator on tensor.data) from a Tensor operand; update the Tensor itself: "
+            f"`with pargrad.no_grad(): v -= lr * v.grad` (its version counter sees the "
+            f"change), or use plain arrays on both sides: `v.data -= lr * v.grad.data`"
+        )
     raise TypeError(
         f"pargrad Tensors do not support numpy.{ufunc.__name__}"
         f"{'' if method == '__call__' else '.' + method}"
@@ -536,6 +561,8 @@ def dispatch_function(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) ->
     """``Tensor.__array_function__``: route a numpy function call to the matching op."""
     impl = FUNCTION_OPS.get(func)
     name = getattr(func, "__name__", repr(func))
+    if impl is None and func in PLAIN_FUNCTIONS:
+        return func(*_plain(args), **{k: _plain(v) for k, v in kwargs.items()})
     if impl is None:
         raise TypeError(
             f"pargrad Tensors do not support numpy.{name}; call it on tensor.numpy() "

@@ -47,6 +47,9 @@ power = defop("power", np.power,
 exp = defop("exp", np.exp, lambda g, ans, x: g * ans)
 log = defop("log", np.log, lambda g, ans, x: g / x)
 sqrt = defop("sqrt", np.sqrt, lambda g, ans, x: g / (2 * ans))
+square = defop("square", np.square, lambda g, ans, x: g * 2 * x)
+log1p = defop("log1p", np.log1p, lambda g, ans, x: g / (1 + x))
+expm1 = defop("expm1", np.expm1, lambda g, ans, x: g * (ans + 1))
 
 # ----- piecewise -----
 # abs'(0) is taken as 0, relu'(0) as 0. maximum/minimum split g evenly on ties.
@@ -78,6 +81,10 @@ tanh = defop("tanh", np.tanh, lambda g, ans, x: g * (1 - ans * ans))
 sigmoid = defop("sigmoid", lambda x: 0.5 * (1 + np.tanh(0.5 * x)),
                 lambda g, ans, x: g * ans * (1 - ans),
                 doc="1 / (1 + exp(-x)), elementwise, without overflow.")
+# softplus' = sigmoid, written as sigmoid's forward so that it dispatches on Tensors.
+softplus = defop("softplus", lambda x: np.logaddexp(0, x),
+                 lambda g, ans, x: g * 0.5 * (1 + np.tanh(0.5 * x)),
+                 doc="log(1 + exp(x)), elementwise, without overflow.")
 
 # ----- copies and dtype -----
 copy = defop("copy", lambda x: np.array(x, copy=True), lambda g, ans, x: g,
@@ -111,7 +118,8 @@ def to(x: Any, device_: str | Device) -> Tensor:
 
 @implements(np.clip)
 def clip(x: Any, a_min: Any = None, a_max: Any = None) -> Tensor:
-    """Limit ``x`` to ``[a_min, a_max]`` (either bound may be None, not both)."""
+    """Limit ``x`` to ``[a_min, a_max]`` (either bound may be None, not both). Gradient: to
+    ``x`` where ``a_min <= x <= a_max``, else to the bound that was used."""
     if a_min is None and a_max is None:
         raise ValueError("clip: one of a_min and a_max must be given")
     return _clip(x, -np.inf if a_min is None else a_min, np.inf if a_max is None else a_max)
@@ -119,7 +127,8 @@ def clip(x: Any, a_min: Any = None, a_max: Any = None) -> Tensor:
 
 @implements(np.where)
 def where(condition: Any, x: Any, y: Any) -> Tensor:
-    """``x`` where ``condition`` holds, else ``y`` (differentiable in ``x`` and ``y``)."""
+    """``x`` where ``condition`` holds, else ``y``. Gradient: ``g`` to ``x`` where the
+    condition holds, to ``y`` elsewhere; none to the condition."""
     return _where(condition, x, y)
 
 

@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from pargrad.numpy_names import numpy_names
 from pargrad.ops.core import defop, ndim_of, normalize_axis
 from pargrad.ops.reductions import _logsumexp
 from pargrad.tensor import Tensor
@@ -29,8 +30,10 @@ _log_softmax_op = defop("log_softmax", _log_softmax,
                             g - np.exp(ans) * np.sum(g, axis=axis, keepdims=True))
 
 
+@numpy_names
 def softmax(x: Any, axis: int = -1) -> Tensor:
     """``exp(x) / sum(exp(x), axis)``, shifted by the maximum so it never overflows.
+    Gradient: ``ans·(g - sum(g·ans, axis))``.
 
     >>> import pargrad
     >>> pargrad.softmax(pargrad.tensor([0.0, 1000.0]))
@@ -39,6 +42,8 @@ def softmax(x: Any, axis: int = -1) -> Tensor:
     return _softmax_op(x, axis=normalize_axis(axis, ndim_of(x), "softmax"))
 
 
+@numpy_names
 def log_softmax(x: Any, axis: int = -1) -> Tensor:
-    """``x - logsumexp(x, axis)``: the log of ``softmax`` without its underflow."""
+    """``x - logsumexp(x, axis)``: the log of ``softmax`` without its underflow.
+    Gradient: ``g - softmax(x)·sum(g, axis)``."""
     return _log_softmax_op(x, axis=normalize_axis(axis, ndim_of(x), "log_softmax"))

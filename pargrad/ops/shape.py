@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from pargrad.numpy_names import numpy_names
 from pargrad.ops.core import array_of, defop, implements, ndim_of, normalize_axis
 from pargrad.shapes import sum_to
 from pargrad.tensor import Tensor
@@ -40,19 +41,23 @@ def _ints(value: Any) -> tuple[int, ...]:
 
 @implements(np.reshape)
 def reshape(x: Any, shape: Any) -> Tensor:
-    """Give the data a new shape (one entry may be -1)."""
+    """Give the data a new shape (one entry may be -1). Gradient: ``g`` reshaped back."""
     return _reshape(x, shape=_ints(shape))
 
 
 @implements(np.squeeze)
+@numpy_names
 def squeeze(x: Any, axis: Any = None) -> Tensor:
-    """Remove axes of length one (all of them if ``axis`` is None)."""
+    """Remove axes of length one (all of them if ``axis`` is None). Gradient: ``g``
+    reshaped back."""
     return _squeeze(x, axis=None if axis is None else _ints(axis))
 
 
 @implements(np.expand_dims)
+@numpy_names
 def expand_dims(x: Any, axis: Any) -> Tensor:
-    """Insert axes of length one at ``axis`` (an int or a tuple)."""
+    """Insert axes of length one at ``axis`` (an int or a tuple). Gradient: ``g`` reshaped
+    back."""
     return _expand_dims(x, axis=_ints(axis))
 
 
@@ -81,8 +86,10 @@ _split = defop("split", lambda x, *, sections, axis: np.split(x, sections, axis=
 
 
 @implements(np.concatenate)
+@numpy_names
 def concatenate(tensors: Sequence[Any], axis: int | None = 0) -> Tensor:
-    """Join tensors along an existing axis (flattened first if ``axis`` is None)."""
+    """Join tensors along an existing axis (flattened first if ``axis`` is None).
+    Gradient: each tensor gets the slice of ``g`` it filled."""
     if len(tensors) == 0:
         raise ValueError("concatenate: need at least one tensor")
     if axis is None:
@@ -95,16 +102,20 @@ def concatenate(tensors: Sequence[Any], axis: int | None = 0) -> Tensor:
 
 
 @implements(np.stack)
+@numpy_names
 def stack(tensors: Sequence[Any], axis: int = 0) -> Tensor:
-    """Join tensors along a new axis."""
+    """Join tensors along a new axis. Gradient: tensor ``i`` gets ``g``'s entry ``i``
+    along that axis."""
     if len(tensors) == 0:
         raise ValueError("stack: need at least one tensor")
     return _stack(*tensors, axis=normalize_axis(axis, ndim_of(tensors[0]) + 1, "stack"))
 
 
 @implements(np.split)
+@numpy_names
 def split(x: Any, indices_or_sections: Any, axis: int = 0) -> tuple[Tensor, ...]:
-    """Split into several tensors along ``axis``: one node with several outputs.
+    """Split into several tensors along ``axis``: one node with several outputs. Gradient:
+    the outputs' gradients joined again (zeros for an output that got none).
 
     ``indices_or_sections`` is a number of equal pieces or the indices to cut at, as in
     ``np.split``; indices whose pieces would overlap raise ValueError.
