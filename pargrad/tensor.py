@@ -285,7 +285,13 @@ class Tensor:
 
     def _grad_accumulator(self) -> AccumulateGrad:
         # The graph holds the accumulator strongly and the leaf only weakly (as in
-        # PyTorch), so a leaf never keeps a dead graph alive.
+        # PyTorch), so a leaf never keeps a dead graph alive. A live one is found
+        # without the lock (every op on a weight asks): once set, the reference only
+        # ever points at an accumulator, alive or dead.
+        ref = self._accumulator
+        acc = None if ref is None else ref()
+        if acc is not None:
+            return acc
         with _accumulator_lock:
             acc = self._accumulator() if self._accumulator is not None else None
             if acc is None:

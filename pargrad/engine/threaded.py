@@ -76,12 +76,27 @@ other workers instead of staying on the thread that made it ready."""
 
 ENGINE_HINT = "; set PARGRAD_ENGINE=sequential to rerun on the reference engine"
 
-# Per-thread state, so no lock: ``pool`` and ``device`` (set in worker and helper
-# threads: the pool and device they work for), ``depth`` (backward calls and waits for a
-# future nested on this thread's stack), ``running`` (the GraphTasks whose nodes this
-# thread is inside, innermost last: ``_running()``) and ``resolving`` (the pools whose
-# futures this thread is resolving, so running done-callbacks of: ``_resolving()``).
-_local = threading.local()
+class _ThreadState(threading.local):
+    """What the engine keeps per thread (so no lock), each field with its default:
+
+    - ``pool``, ``device``: the pool and device a worker or helper thread works for
+      (None and cpu in any other thread);
+    - ``depth``: backward calls and waits for a future nested on this thread's stack;
+    - ``running``: the tasks whose nodes this thread is inside, innermost last;
+    - ``resolving``: the pools whose futures this thread is resolving (running their
+      done-callbacks), innermost last.
+    """
+
+    pool: _Pool | None = None
+    device: Device = CPU
+    depth = 0
+
+    def __init__(self) -> None:
+        self.running: list[GraphTask | InlineRun] = []
+        self.resolving: list[_Pool] = []
+
+
+_local = _ThreadState()
 
 
 def default_workers() -> int:
@@ -350,10 +365,7 @@ def _requeue(engine: ThreadedEngine, task: GraphTask, local: Local) -> None:
 def _resolving() -> list[_Pool]:
     """The pools whose futures this thread is resolving (running their done-callbacks),
     innermost last."""
-    resolving: list[_Pool] | None = getattr(_local, "resolving", None)
-    if resolving is None:
-        resolving = _local.resolving = []
-    return resolving
+    return _local.resolving
 
 
 def _report(exc: BaseException) -> None:
@@ -366,10 +378,7 @@ def _report(exc: BaseException) -> None:
 def _running() -> list[GraphTask | InlineRun]:
     """The tasks whose nodes this thread is inside, innermost last (a thread waiting in
     a node runs other nodes, of any task)."""
-    running: list[GraphTask | InlineRun] | None = getattr(_local, "running", None)
-    if running is None:
-        running = _local.running = []
-    return running
+    return _local.running
 
 
 def _current_task() -> GraphTask | InlineRun | None:
@@ -461,7 +470,7 @@ def _help(task: GraphTask, ready: list[Ready], on: Device, queue: ReadyQueue[Nod
 
 def _home_device(pool: _Pool) -> Device:
     """The device whose queue this thread works on: its own in a pool thread, else cpu."""
-    return _local.device if getattr(_local, "pool", None) is pool else CPU
+    return _local.device if _local.pool is pool else CPU
 
 
 @contextlib.contextmanager
@@ -524,7 +533,7 @@ class _AsyncWork:
         pool = self.pool
         queue = pool.queue(on := _home_device(pool))
         deadline = None if timeout is None else time.monotonic() + timeout
-        depth = getattr(_local, "depth", 0)
+        depth = _local.depth
         if depth >= MAX_REENTRANT_DEPTH:
             pool.start_helper(task, [], on, queue, f"pargrad-{on}-reentrant")
             task.done.wait(timeout)
@@ -652,8 +661,8 @@ class ThreadedEngine(Engine):
         pool = self._pool
         on = _home_device(pool)
         parent = _current_task()
-        depth = getattr(_local, "depth", 0)
-        outermost = parent is None and getattr(_local, "pool", None) is None
+        depth = _local.depth
+        outermost = parent is None and _local.pool is None
         counted = None
         if depth < MAX_REENTRANT_DEPTH and recording(self.trace) is None and not (
                 outermost and self.limit_blas):
@@ -788,7 +797,7 @@ class ThreadedEngine(Engine):
                     else:
                         future.set_result(task.captured())
             except BaseException as exc:  # a done-callback's SystemExit: all callbacks ran
-                if getattr(_local, "pool", None) is not pool:
+                if _local.pool is not pool:
                     raise  # a caller's thread (helping, or starting): it gets it
                 _report(exc)  # an engine thread survives it
             finally:

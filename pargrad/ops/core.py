@@ -383,7 +383,7 @@ class OpNode(Node):
             self.saved_arrays: tuple[Any, ...] | None = tuple(arrays)
             self.saved_outputs: tuple[np.ndarray, ...] | None = outs
             read, self.reads_output = op.plan(live)
-            self.saved_versions: Saved = saved_versions(args, read)
+            self.saved_versions: Saved = saved_versions(args, read) if read != () else ()
         else:
             self.saved_args = None
             self.saved_arrays = tuple([ShapeOf(a) if isinstance(a, np.ndarray) else a
