@@ -486,7 +486,7 @@ def _outside(task: GraphTask) -> Iterator[None]:
         engine = engines.pop()
     previous_mode, previous_anomaly = is_grad_enabled(), anomaly.current_mode()
     _set_enabled(True)
-    anomaly.set_mode((False, True))  # anomaly._Mode's defaults
+    anomaly.set_mode((anomaly._Mode.enabled, anomaly._Mode.check_nan))  # the defaults
     try:
         yield
     finally:
