@@ -414,7 +414,9 @@ def _schedule(engine: ThreadedEngine, task: GraphTask, runnable: list[Ready], on
     devices.
 
     A cheap node often leads on into expensive work (the chain of adds that sums several
-    branches), so it is the expensive nodes that are handed off, not the cheap ones."""
+    branches), so it is the expensive nodes that are handed off, not the cheap ones. A
+    node that runs BLAS is kept too while the BLAS gate lets only one such node run at a
+    time (BLAS already uses every core): another thread would only wait at the gate."""
     if task.serial:  # every node on this thread, in the reference's order
         for node, inputs in runnable:
             heapq.heappush(local, (-node.sequence_nr, node, inputs))
@@ -423,11 +425,15 @@ def _schedule(engine: ThreadedEngine, task: GraphTask, runnable: list[Ready], on
     pool = engine._pool
     expensive: list[Ready] = []
     kept_one = False
+    blas_alone: bool | None = None  # the gate lets one BLAS node run at once (asked once)
     for node, inputs in runnable:
         if node.device is not on:
             pool.queue(node.device).put(NodeTask(task, node, inputs), task.depth,
                                         node.sequence_nr)
-        elif node.cost < engine.handoff_threshold:
+            continue
+        if node.calls_blas and blas_alone is None:
+            blas_alone = blas.gate_size() <= 1
+        if node.cost < engine.handoff_threshold or (node.calls_blas and blas_alone):
             kept_one = True
             heapq.heappush(local, (-node.sequence_nr, node, inputs))
         else:
