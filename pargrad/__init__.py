@@ -16,6 +16,7 @@ from pargrad.anomaly import (
     set_detect_anomaly,
 )
 from pargrad.autograd import backward, backward_async, grad, grad_async
+from pargrad.callbacks import queue_callback
 from pargrad.checkpoint import checkpoint
 from pargrad.devices import Device, device
 from pargrad.engine import (
@@ -33,6 +34,7 @@ from pargrad.futures import BackwardFuture
 from pargrad.grad_mode import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 from pargrad.gradcheck import GradcheckError, gradcheck, gradgradcheck
 from pargrad.graph import AccumulateGrad, BackwardError, Node
+from pargrad.hooks import register_multi_grad_hook
 from pargrad.ops import (
     abs,
     add,
@@ -86,7 +88,8 @@ __all__ = [
     "enable_grad", "exp", "expand_dims", "get_default_engine", "grad", "grad_async", "gradcheck",
     "gradgradcheck", "is_anomaly_check_nan_enabled", "is_anomaly_enabled", "is_grad_enabled", "log",
     "log_softmax", "logsumexp", "matmul", "max", "maximum", "mean", "min", "minimum", "multiply",
-    "negative", "no_grad", "once_differentiable", "power", "profile", "relu", "reshape",
+    "negative", "no_grad", "once_differentiable", "power", "profile", "queue_callback",
+    "register_multi_grad_hook", "relu", "reshape",
     "set_default_engine", "set_detect_anomaly", "set_grad_enabled", "sigmoid", "sin", "softmax",
     "split", "sqrt", "squeeze", "stack", "subtract", "sum", "swapaxes", "tanh", "tensor", "to",
     "transpose", "use_engine", "viz", "where",

@@ -333,6 +333,10 @@ def _fit(node: Node, result: Any, like: Sequence[Any]) -> tuple[Any, ...]:
     return tuple(result)
 
 
+ACCUMULATOR_PRIORITY = 1 << 62
+"""Added to an ``AccumulateGrad``'s sequence number (see there)."""
+
+
 class AccumulateGrad(Node):
     """The sink for a leaf tensor: engines gather the leaf's total gradient here.
 
@@ -344,6 +348,11 @@ class AccumulateGrad(Node):
 
     def __init__(self, variable: Tensor) -> None:
         super().__init__((), (), ((variable.shape, variable.dtype),), variable.device)
+        # Above every other node's (still unique): an accumulator whose gradient is
+        # complete is taken first, so its leaf's hooks run as soon as they can (PyTorch
+        # gives AccumulateGrad the highest sequence number too). It runs no backward, so
+        # this changes no buffer's summation order.
+        self.sequence_nr += ACCUMULATOR_PRIORITY
         self.variable = variable
         self._hooks = variable._hooks  # the leaf's tensor hooks (shared, see hooks.py)
 

@@ -22,8 +22,11 @@ later), so gradients reach each buffer in the canonical order of docs/design.md.
 from __future__ import annotations
 
 import heapq
+import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
+from pargrad import anomaly, callbacks
 from pargrad.engine.base import Engine, use_engine
 from pargrad.engine.buffer import InputBuffer
 from pargrad.grad_mode import set_grad_enabled
@@ -50,6 +53,29 @@ class SequentialEngine(Engine):
         inputs: Sequence[Edge] | None = None,
         on_kept: Callable[[Edge, Grad], bool] | None = None,
     ) -> dict[Edge, Grad]:
+        def run() -> dict[Edge, Grad]:
+            return self._execute(roots, grads, retain_graph=retain_graph,
+                                 create_graph=create_graph, inputs=inputs, on_kept=on_kept)
+
+        depth = getattr(_local, "depth", 0)
+        if depth >= MAX_REENTRANT_DEPTH:  # a reentrant backward this deep: a fresh stack
+            return _on_fresh_stack(run)
+        _local.depth = depth + 1
+        try:
+            return run()
+        finally:
+            _local.depth = depth
+
+    def _execute(
+        self,
+        roots: Sequence[Edge],
+        grads: Sequence[Grad],
+        *,
+        retain_graph: bool,
+        create_graph: bool,
+        inputs: Sequence[Edge] | None,
+        on_kept: Callable[[Edge, Grad], bool] | None,
+    ) -> dict[Edge, Grad]:
         root_nodes = [node for node, _ in roots if node is not None]
         runs = None if inputs is None else needed(root_nodes, inputs)
         dependencies = Dependencies(root_nodes, within=runs)
@@ -62,7 +88,8 @@ class SequentialEngine(Engine):
                 buffer = buffers[node] = InputBuffer(node.num_outputs)
             buffer.accumulate(output_nr, grad)
 
-        with set_grad_enabled(create_graph), use_engine(self):  # nested backward: here too
+        queued = callbacks.Callbacks()  # pargrad.queue_callback's, run after the loop
+        with set_grad_enabled(create_graph), use_engine(self), callbacks.running(queued):
             for (node, output_nr), grad in zip(roots, grads):
                 if node in dependencies.counts:
                     deliver(node, output_nr, grad)
@@ -84,4 +111,35 @@ class SequentialEngine(Engine):
                     deliver(next_node, input_nr, grad)
                     if dependencies.release(next_node, input_nr):
                         heapq.heappush(ready, (-next_node.sequence_nr, next_node))
+        queued.run()
         return kept.grads
+
+
+MAX_REENTRANT_DEPTH = 32
+"""Nested backward calls one thread runs on its own stack; a deeper one runs on a new
+thread (the caller waits for it), so that thousands of nested calls fit in no stack."""
+
+# Per-thread state, so no lock: ``depth``, the backward calls nested on this thread.
+_local = threading.local()
+
+
+def _on_fresh_stack(run: Callable[[], Any]) -> Any:
+    """``run()`` on a new thread, with the calling thread's anomaly mode; blocks until
+    it is done and returns its result or raises its exception."""
+    mode = anomaly.current_mode()
+    outcome: list[Any] = []
+
+    def target() -> None:
+        anomaly.set_mode(mode)
+        try:
+            outcome.append((True, run()))
+        except BaseException as exc:  # handed to the waiting caller
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=target, name="pargrad-sequential-reentrant")
+    thread.start()
+    thread.join()
+    ok, result = outcome[0]
+    if not ok:
+        raise result
+    return result
