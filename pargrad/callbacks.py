@@ -85,7 +85,7 @@ def current() -> Callbacks | None:
     """The Callbacks of the backward whose node the calling thread runs, or None."""
     stack = getattr(_local, "stack", None)
     if stack:
-        return stack[-1]  # type: ignore[no-any-return]
+        return stack[-1]
     for finder in _finders:
         found = finder()
         if found is not None:

@@ -96,7 +96,15 @@ def test_deep_reentrant() -> None:
     _DeepReentrant.apply(v2).sum().backward()
 
 
-def test_reentrant_priority() -> None:
+def test_reentrant_priority(engine: pargrad.Engine, request: pytest.FixtureRequest) -> None:
+    if isinstance(engine, pargrad.ThreadedEngine) and engine.handoff_threshold <= 1:
+        # Not strict: a race by design. The ReadyQueue does take a nested backward's
+        # nodes first, but MyFunction is ready before the nested backwards start, and an
+        # idle thread runs it meanwhile (PyTorch runs a device's nodes on one thread).
+        request.applymarker(pytest.mark.xfail(
+            strict=False, reason="deliberate difference: with nodes handed to several "
+            "threads, the parent's ready nodes run alongside a nested backward; "
+            "docs/autograd.md"))
     order: list[str] = []
 
     class MyFunction(Function):

@@ -507,6 +507,10 @@ def test_hook_with_no_name() -> None:
     x.sum().backward()
 
 
+@pytest.mark.xfail(strict=True, reason="deliberate difference: backward(inputs=[a "
+                   "non-leaf]) does not run that tensor's own grad_fn (PyTorch runs it and "
+                   "drops its result), so that node's pre-hooks do not fire; "
+                   "docs/autograd.md")
 def test_prehook_ordering() -> None:
     log: list[int] = []
 
