@@ -64,6 +64,31 @@ def test_grad_mode_decorators_apply_to_a_generators_body() -> None:
         assert not pargrad.is_grad_enabled()
 
 
+def test_set_grad_thread_local() -> None:
+    # Grad mode is thread-local: no_grad in one thread leaves another recording.
+    x = leaf(np.ones(2))
+    seen: list[bool] = []
+    barrier = threading.Barrier(2)
+
+    def no_grad_thread() -> None:
+        with pargrad.no_grad():
+            barrier.wait()
+            barrier.wait()
+
+    def recording_thread() -> None:
+        barrier.wait()
+        seen.append((x * 2).requires_grad)
+        barrier.wait()
+
+    threads = [threading.Thread(target=no_grad_thread), threading.Thread(target=recording_thread)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert seen == [True]
+    np.testing.assert_array_equal(x.data, np.ones(2))
+
+
 def test_grad_mode_bare_decorators() -> None:
     x = leaf(1.0)
 

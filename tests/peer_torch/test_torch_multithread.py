@@ -9,7 +9,6 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import pytest
 
 import pargrad
@@ -243,28 +242,3 @@ def test_multi_grad_any_hooks() -> None:
     assert err_count[0] == 1
     assert res[0] == "foo"
 
-
-def test_set_grad_thread_local() -> None:
-    # TestAutograd's thread-locality of grad mode (torch's test_grad_mode_... in
-    # TestMultithreadAutograd spirit): no_grad in one thread leaves another recording.
-    x = ones(2, requires_grad=True)
-    seen: list[bool] = []
-    barrier = threading.Barrier(2)
-
-    def no_grad_thread() -> None:
-        with pargrad.no_grad():
-            barrier.wait()
-            barrier.wait()
-
-    def recording_thread() -> None:
-        barrier.wait()
-        seen.append((x * 2).requires_grad)
-        barrier.wait()
-
-    threads = [threading.Thread(target=no_grad_thread), threading.Thread(target=recording_thread)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    assert seen == [True]
-    np.testing.assert_array_equal(value(x), np.ones(2))
