@@ -59,13 +59,20 @@ class FunctionCtx:
         self._saved_outputs: dict[int, int] = {}
         self._node: weakref.ref[Node] | None = None
 
-    def _own_outputs(self, node: Node, results: tuple[Any, ...], outputs: list[Any]) -> None:
+    def _own_outputs(self, node: Node, results: tuple[Any, ...], outputs: list[Any],
+                     args: tuple[Any, ...]) -> None:
         """Note the saved tensors that ``forward`` returned as differentiable outputs:
         ``saved_tensors`` gives them back as those outputs, with this node as their
-        history, so that a backward recording a graph differentiates through them."""
+        history, so that a backward recording a graph differentiates through them. An
+        input returned unchanged stays the input (its output is another tensor), unless
+        it was marked dirty (then it is the output)."""
+        def made_here(t: Any) -> bool:
+            return not any(t is a for a in args) or any(t is d for d in self._dirty)
+
         for k, saved in enumerate(self._saved or ()):
             for i, r in enumerate(results):
-                if saved is r and isinstance(saved, Tensor) and outputs[i].grad_fn is node:
+                if (saved is r and isinstance(saved, Tensor) and outputs[i].grad_fn is node
+                        and made_here(saved)):
                     self._saved_outputs[k] = i
                     break
         if self._saved_outputs:
@@ -217,7 +224,7 @@ class Function:
                 outputs.append(r if a is None else _output(ctx, node, i, r, a, args, on))
         ctx._versions = saved_versions(ctx._saved or ())
         if node is not None:
-            ctx._own_outputs(node, results, outputs)
+            ctx._own_outputs(node, results, outputs, args)
         return tuple(outputs) if several else outputs[0]
 
 

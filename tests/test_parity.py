@@ -46,6 +46,22 @@ def test_a_saved_output_comes_back_with_its_node(engine: pargrad.Engine) -> None
     np.testing.assert_allclose(d2y.data, 6 * x.data)  # was -6x before issue 14
     assert pargrad.gradgradcheck(CubeSavingOutput.apply, [leaf([0.7, 1.3])])
 
+    class Same(Function):  # an input returned unchanged and saved: it stays the input
+        @staticmethod
+        def forward(ctx: Any, t: Tensor) -> Tensor:
+            ctx.save_for_backward(t)
+            return t
+
+        @staticmethod
+        def backward(ctx: Any, g: Tensor) -> Tensor:
+            (t,) = ctx.saved_tensors
+            ctx.seen = t
+            return g
+
+    out = Same.apply(x)
+    out.sum().backward()
+    assert out.grad_fn.ctx.seen is x
+
 
 def test_grad_mode_decorators_apply_to_a_generators_body() -> None:
     @pargrad.no_grad()

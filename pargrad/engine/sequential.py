@@ -16,7 +16,12 @@ them (``graph.needed``), and returns just their gradients.
 
 Popping the highest sequence number runs nodes in exactly reverse creation order (the
 newest unrun node is always ready, since everything that consumed it was created
-later), so gradients reach each buffer in the canonical order of docs/design.md.
+later), so gradients reach each buffer in the canonical order of docs/design.md. (An
+``AccumulateGrad``'s number is raised above all others, so a leaf is kept as soon as its
+gradient is complete; it runs nothing, so no buffer's order changes.) A reentrant
+backward nested deeper than ``MAX_REENTRANT_DEPTH`` on one thread continues on a fresh
+thread, so that no depth exhausts the stack; ``pargrad.queue_callback``'s callbacks run
+after the loop.
 """
 
 from __future__ import annotations
