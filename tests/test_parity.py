@@ -407,3 +407,33 @@ def test_a_second_backward_through_indexing_is_allowed(engine: pargrad.Engine) -
     y.sum().backward()
     with pytest.raises(pargrad.BackwardError, match="retain_graph=True"):
         y.sum().backward()  # a node that saved values still refuses
+
+
+def test_queue_callback_in_an_asynchronous_backward(engine: pargrad.Engine) -> None:
+    log: list[str] = []
+
+    class Queues(Function):
+        @staticmethod
+        def forward(ctx: Any, t: Tensor, fail: bool) -> np.ndarray:
+            ctx.fail = fail
+            return t.data.copy()
+
+        @staticmethod
+        def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
+            def callback() -> None:
+                log.append("callback")
+                if ctx.fail:
+                    raise KeyError("from the callback")
+
+            pargrad.queue_callback(callback)
+            return g, None
+
+    x = leaf([1.0, 2.0])
+    future = pargrad.backward_async(Queues.apply(x, False).sum())
+    future.result(timeout=30)
+    assert log == ["callback"]
+    np.testing.assert_array_equal(x.grad.data, [1.0, 1.0])
+    future = pargrad.backward_async(Queues.apply(x, True).sum())
+    with pytest.raises(KeyError, match="from the callback"):
+        future.result(timeout=30)
+    np.testing.assert_array_equal(x.grad.data, [1.0, 1.0])  # nothing committed
