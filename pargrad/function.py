@@ -306,6 +306,11 @@ class FunctionNode(Node):
         self.ctx._saved = None
         return had_saved
 
+    def __del__(self) -> None:
+        # The graph is gone: a ctx kept elsewhere (a backward that stashed it) no longer
+        # hands out its saved tensors, as in PyTorch.
+        self.ctx._saved = None
+
     def _run_pre_hooks(self, hooks: NodeHooks, grads: tuple[Grad, ...]) -> tuple[Grad, ...]:
         return super()._run_pre_hooks(hooks, self._tensor_grads(grads))
 
