@@ -249,6 +249,10 @@ def _check_dirty(name: str, dirty: tuple[Tensor, ...], args: tuple[Any, ...],
         if not any(t is r for r in results):
             raise RuntimeError(f"{name}.forward: a tensor marked dirty must be returned as "
                                f"an output (return the input itself)")
+        if records and t._view is not None and sum(_array(r) is not None for r in results) > 1:
+            raise RuntimeError(f"{name}.forward: a view marked dirty by a Function with "
+                               f"several outputs is not supported (as in PyTorch); mark "
+                               f"its base, or return the view alone")
         if records:
             check_recordable(t, f"{name}.forward (mark_dirty)")
 

@@ -604,6 +604,10 @@ def test_autograd_python_custom_function_inplace() -> None:
     c += 2
     (c * d).sum().backward()
     assert bw_called[0] == 1
+    # The input is a view (torch: "your Function modifies inplace an input that is a
+    # view of another Tensor")
+    with pytest.raises(RuntimeError, match="view marked dirty by a Function with several"):
+        c, d = MyBadAdder.apply(a.copy().reshape(a.shape), b)
 
     class MyOutPlaceAdder(Function):
         @staticmethod
@@ -717,3 +721,14 @@ def test_inplace_not_requires_grad() -> None:
     view_a = MyFn.apply(a)
     with pytest.raises(RuntimeError, match="output of a custom Function"):
         view_a += b
+    # Extra test for copy_ (here: view_a[...] = b, the same write)
+    a = rand(1, 2)
+    b = rand(1, requires_grad=True)
+    view_a = MyFn.apply(a)
+    with pytest.raises(RuntimeError, match="output of a custom Function"):
+        view_a[...] = b
+    # (torch's next case, a view from unbind: not ported, see README.md.) Sanity check
+    # that views that should work still work
+    a = rand(1, 2)
+    b = rand(1, requires_grad=True)
+    a[:, 0][...] = b  # a.select(1, 0).copy_(b)

@@ -106,11 +106,14 @@ def test_setitem() -> None:
     _test_setitem_tensor((5, 5), 3)
     _test_setitem_tensor((5, 5), ([0, 1], [1, 0]))
     _test_setitem_tensor((5,), 3)
+    _test_setitem_tensor((5,), np.array([3]).sum())
+    _test_setitem_tensor((5,), [[0, 1, 2, 3]])
     _test_setitem_tensor((5, 5, 5), (slice(None), slice(None), [1, 3]))
     _test_setitem_tensor((5, 5, 5), (slice(None), [1, 3], slice(None)))
     _test_setitem_tensor((5, 5, 5), ([1, 3], slice(None), slice(None)))
     _test_setitem_tensor((5, 5, 5), (slice(None), [2, 4], [1, 3]))
     _test_setitem_tensor((5, 5, 5), ([1, 3], [2, 4], slice(None)))
+    _test_setitem_tensor((5, 5, 5), (np.array([1, 3]), [2, 4], slice(None)))
 
 
 def test_setitem_mask() -> None:
