@@ -16,6 +16,7 @@ from pargrad.anomaly import (
     set_detect_anomaly,
 )
 from pargrad.autograd import backward, backward_async, grad, grad_async
+from pargrad.callbacks import queue_callback
 from pargrad.checkpoint import checkpoint
 from pargrad.creation import (
     arange,
@@ -46,6 +47,7 @@ from pargrad.futures import BackwardFuture
 from pargrad.grad_mode import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 from pargrad.gradcheck import GradcheckError, gradcheck, gradgradcheck
 from pargrad.graph import AccumulateGrad, BackwardError, Node
+from pargrad.hooks import register_multi_grad_hook
 from pargrad.losses import binary_cross_entropy_with_logits, cross_entropy, mse_loss, nll_loss
 from pargrad.ops import (
     argmax,
@@ -113,17 +115,18 @@ __all__ = [
     "AccumulateGrad", "BackwardError", "BackwardFuture", "Device", "Engine", "Function",
     "FunctionCtx", "Generator", "GradcheckError", "Node", "SequentialEngine", "Tensor",
     "ThreadedEngine", "abs", "add", "arange", "argmax", "argmin", "astype", "backward",
-    "backward_async", "binary_cross_entropy_with_logits", "broadcast_to", "checkpoint", "clip",
-    "concatenate", "copy", "cos", "cross_entropy", "cumsum", "current_engine",
-    "detect_anomaly", "device", "divide", "dot", "empty", "enable_grad", "exp", "expand_dims",
-    "expm1", "eye", "from_numpy", "full", "full_like", "get_default_engine", "grad",
-    "grad_async", "gradcheck", "gradgradcheck", "is_anomaly_check_nan_enabled",
+    "backward_async", "binary_cross_entropy_with_logits", "broadcast_to", "checkpoint",
+    "clip", "concatenate", "copy", "cos", "cross_entropy", "cumsum", "current_engine",
+    "detect_anomaly", "device", "divide", "dot", "empty", "enable_grad", "exp",
+    "expand_dims", "expm1", "eye", "from_numpy", "full", "full_like", "get_default_engine",
+    "grad", "grad_async", "gradcheck", "gradgradcheck", "is_anomaly_check_nan_enabled",
     "is_anomaly_enabled", "is_grad_enabled", "linspace", "log", "log1p", "log_softmax",
-    "logsumexp", "matmul", "max", "maximum", "mean", "min", "minimum", "mse_loss", "multiply",
-    "negative", "nll_loss", "no_grad", "once_differentiable", "ones", "ones_like", "outer",
-    "power", "prod", "profile", "rand", "randn", "random", "relu", "reshape",
-    "set_default_engine", "set_detect_anomaly", "set_grad_enabled", "sigmoid", "sin",
-    "softmax", "softplus", "split", "sqrt", "square", "squeeze", "stack", "std", "subtract",
-    "sum", "swapaxes", "tanh", "tensor", "to", "transpose", "use_engine", "var", "viz",
-    "where", "zeros", "zeros_like",
+    "logsumexp", "matmul", "max", "maximum", "mean", "min", "minimum", "mse_loss",
+    "multiply", "negative", "nll_loss", "no_grad", "once_differentiable", "ones",
+    "ones_like", "outer", "power", "prod", "profile", "queue_callback", "rand", "randn",
+    "random", "register_multi_grad_hook", "relu", "reshape", "set_default_engine",
+    "set_detect_anomaly", "set_grad_enabled", "sigmoid", "sin", "softmax", "softplus",
+    "split", "sqrt", "square", "squeeze", "stack", "std", "subtract", "sum", "swapaxes",
+    "tanh", "tensor", "to", "transpose", "use_engine", "var", "viz", "where", "zeros",
+    "zeros_like",
 ]

@@ -22,9 +22,10 @@ from pargrad.engine.base import Engine, current_engine
 from pargrad.engine.buffer import accumulate
 from pargrad.futures import BackwardFuture
 from pargrad.grad_mode import enable_grad
-from pargrad.graph import AccumulateGrad, Edge, Grad
+from pargrad.graph import AccumulateGrad, BackwardError, Edge, Grad
 from pargrad.ops import copy
 from pargrad.tensor import Tensor, grad_lock
+from pargrad.versions import counter_of
 
 
 def backward(
@@ -259,9 +260,7 @@ class _GradCall(_Call):
                         f"grad: inputs[{i}] got no gradient: it was not used to compute "
                         f"the outputs; pass allow_unused=True to get None for it"
                     )
-                results.append(Tensor._make(np.zeros(target.shape, target.dtype),
-                                            device=target.device)
-                               if self.materialize_grads else None)
+                results.append(self._zeros(target) if self.materialize_grads else None)
             elif isinstance(got, Tensor):
                 results.append(got)
             else:  # its own memory, as a .grad would be
@@ -269,10 +268,21 @@ class _GradCall(_Call):
         return tuple(results)
 
 
+    def _zeros(self, target: Tensor) -> Tensor:
+        """A materialized gradient: zeros, a leaf that requires grad with ``create_graph``
+        (so it can be differentiated again, as PyTorch's)."""
+        zeros = Tensor._make(np.zeros(target.shape, target.dtype), device=target.device)
+        zeros._requires_grad = self.create_graph
+        return zeros
+
+
 class _EarlyCommits:
-    """``on_kept`` for backward: commit a leaf that has post-accumulate-grad hooks as soon
-    as its gradient is final, then run its hooks; ``undo`` restores those ``.grad``s if
-    the backward fails. Called on engine threads, concurrently for different leaves.
+    """``on_kept`` for backward: commit a leaf whose accumulator has hooks (its leaf's
+    post-accumulate-grad hooks, or the ``AccumulateGrad`` node's pre- and post-hooks) as
+    soon as its gradient is final, running them in PyTorch's order: the node's pre-hooks
+    (which may replace the gradient), the commit, the post-accumulate-grad hooks, the
+    node's post-hooks (``hook((), (grad,))``). ``undo`` restores those ``.grad``s if the
+    backward fails. Called on engine threads, concurrently for different leaves.
     """
 
     def __init__(self, create_graph: bool) -> None:
@@ -286,17 +296,26 @@ class _EarlyCommits:
         if not isinstance(node, AccumulateGrad):
             return False
         hooks = node._hooks
-        if hooks is None or not hooks.post_accumulate:
+        if hooks is None or not (hooks.post_accumulate or hooks.pre or hooks.post):
             return False
+        if hooks.pre:
+            (grad,) = node._run_pre_hooks(hooks, (grad,))
         leaf = node.variable
         with grad_lock, enable_grad():
             before = leaf._grad
-            _add_to_grad(leaf, grad, self.create_graph)
+            _add_to_grad(leaf, grad, self.create_graph, in_place=False)
             after = leaf._grad
         with self._lock:
             self._done.append((leaf, before, after))
         for _, hook in hooks.post_accumulate:
-            node._call(hook, "post-accumulate-grad hook", leaf)
+            if node._call(hook, "post-accumulate-grad hook", leaf) is not None:
+                raise BackwardError(node.name(), "a post-accumulate-grad hook returned a "
+                                                 "value; post-accumulate-grad hooks should "
+                                                 "return None")
+        if hooks.post:  # PyTorch's AccumulateGrad hands the new .grad itself on, if any
+            given = after if before is None else _as_tensor(grad, leaf)
+            for _, hook in hooks.post:
+                node._call(hook, "hook", (), (given,))
         return True
 
     def undo(self) -> None:
@@ -310,6 +329,10 @@ class _EarlyCommits:
             for leaf, before, after in reversed(self._done):
                 if leaf._grad is after:  # else another backward has added to it since
                     leaf._grad = before
+
+
+def _as_tensor(grad: Grad, like: Tensor) -> Tensor:
+    return grad if isinstance(grad, Tensor) else Tensor._make(grad, device=like.device)
 
 
 def _receiver(edge: Edge, receivers: dict[Edge, Tensor]) -> Tensor | None:
@@ -341,8 +364,10 @@ def _as_tensors(tensors: Any, caller: str) -> tuple[Tensor, ...]:
 
 def _inputs(inputs: Any, caller: str) -> tuple[Tensor, ...]:
     targets = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
-    if not targets:
-        raise ValueError(f"{caller}: inputs must not be empty")
+    if not targets:  # the types PyTorch raises: RuntimeError from backward, ValueError from grad
+        error = RuntimeError if caller == "backward" else ValueError
+        raise error(f"{caller}: inputs must not be empty (pass None for every leaf)"
+                    if caller == "backward" else f"{caller}: inputs must not be empty")
     for i, t in enumerate(targets):
         if not isinstance(t, Tensor):
             raise TypeError(f"{caller}: inputs[{i}] is a {type(t).__name__}, not a Tensor")
@@ -392,7 +417,7 @@ def _root_grad(i: int, root: Tensor, grad: Any, create_graph: bool, caller: str)
             array = np.asarray(array, dtype=root.dtype)
         array = np.asarray(array)
         if array.shape != root.shape:
-            raise ValueError(
+            raise RuntimeError(
                 f"{caller}: {grad_name} has shape {array.shape}, but {name} has shape "
                 f"{root.shape}"
             )
@@ -406,18 +431,25 @@ def _root_grad(i: int, root: Tensor, grad: Any, create_graph: bool, caller: str)
     return array
 
 
-def _add_to_grad(tensor: Tensor, grad: Grad, create_graph: bool) -> None:
-    """Add a gathered gradient to ``tensor.grad``, never in place.
+def _add_to_grad(tensor: Tensor, grad: Grad, create_graph: bool, *,
+                 in_place: bool = True) -> None:
+    """Add a gathered gradient to ``tensor.grad``.
 
     A new ``.grad`` is a copy, so it never shares memory with a gradient that the
-    caller, another leaf or the graph still holds. With ``create_graph`` the copy and
-    the sum are recorded, so ``.grad`` can be differentiated. The caller holds
-    ``grad_lock`` and has grad mode enabled.
+    caller, another leaf or the graph still holds. Without ``create_graph`` an existing
+    ``.grad`` (with no graph of its own) is added to in place, as PyTorch does: a
+    reference taken to ``x.grad`` sees the sum, and its version is bumped. With
+    ``create_graph`` the copy and the sum are recorded, out of place, so ``.grad`` can
+    be differentiated. ``in_place=False`` (early commits, which may be undone) always
+    makes a new tensor. The caller holds ``grad_lock`` and has grad mode enabled.
     """
     old = tensor._grad
     if create_graph:
         tensor._grad = copy(grad) if old is None else accumulate(old, False, copy(grad))[0]
     elif old is None:
         tensor._grad = Tensor._make(np.array(grad), device=tensor.device)
+    elif in_place and old.grad_fn is None and old.data.flags.writeable:
+        np.add(old.data, grad, out=old.data)  # .grad is the leaf's: PyTorch's semantics
+        counter_of(old).bump()
     else:
         tensor._grad = Tensor._make(accumulate(old.data, False, grad)[0], device=tensor.device)

@@ -22,6 +22,7 @@ tensor(12., dtype=float64)
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +31,7 @@ import numpy as np
 from pargrad.devices import Device, common_device
 from pargrad.grad_mode import is_grad_enabled, no_grad
 from pargrad.graph import BackwardError, Grad, Node
+from pargrad.hooks import NodeHooks
 from pargrad.tensor import Tensor, check_saved_data, input_edges, saved_versions
 from pargrad.versions import Saved, check, counter_of
 from pargrad.views import view_of
@@ -52,6 +54,29 @@ class FunctionCtx:
         self._non_differentiable: tuple[Any, ...] = ()
         self._materialize_grads = True
         self._node_name = ""
+        # Saved tensors that are this Function's own outputs: saved index -> output
+        # index, and the node (weakly: the node holds this ctx) they come back with.
+        self._saved_outputs: dict[int, int] = {}
+        self._node: weakref.ref[Node] | None = None
+
+    def _own_outputs(self, node: Node, results: tuple[Any, ...], outputs: list[Any],
+                     args: tuple[Any, ...]) -> None:
+        """Note the saved tensors that ``forward`` returned as differentiable outputs:
+        ``saved_tensors`` gives them back as those outputs, with this node as their
+        history, so that a backward recording a graph differentiates through them. An
+        input returned unchanged stays the input (its output is another tensor), unless
+        it was marked dirty (then it is the output)."""
+        def made_here(t: Any) -> bool:
+            return not any(t is a for a in args) or any(t is d for d in self._dirty)
+
+        for k, saved in enumerate(self._saved or ()):
+            for i, r in enumerate(results):
+                if (saved is r and isinstance(saved, Tensor) and outputs[i].grad_fn is node
+                        and made_here(saved)):
+                    self._saved_outputs[k] = i
+                    break
+        if self._saved_outputs:
+            self._node = weakref.ref(node)
 
     def save_for_backward(self, *tensors: Any) -> None:
         """Keep tensors (or arrays) for backward; read them back with ``saved_tensors``.
@@ -77,7 +102,15 @@ class FunctionCtx:
             )
         check_saved_data(self._saved, self._saved_arrays, "saved tensor")
         check(self._node_name, self._versions, "saved tensor")
-        return self._saved
+        node = None if self._node is None else self._node()
+        if node is None:
+            return self._saved
+        saved = list(self._saved)
+        for k, i in self._saved_outputs.items():  # (the node's outputs, as PyTorch's)
+            output = Tensor._make(self._saved_arrays[k], node, i, node.device)
+            output._counter = counter_of(saved[k])
+            saved[k] = output
+        return tuple(saved)
 
     def mark_dirty(self, *tensors: Tensor) -> None:
         """Declare input Tensors that ``forward`` changed in place (and returns).
@@ -175,17 +208,34 @@ class Function:
                 counter_of(t).bump()
         several = isinstance(result, tuple)
         results = result if several else (result,)
-        arrays = [np.asarray(r.data if isinstance(r, Tensor) else r) for r in results]
+        arrays = [_array(r) for r in results]  # None: not a tensor, returned as it is
         on = common_device(args, f"{cls.__name__}.apply")
         records = is_grad_enabled() and any(needs)
         _check_dirty(cls.__name__, ctx._dirty, args, results, records)
-        node: Node | None = None
+        node: FunctionNode | None = None
         if records:
             node = FunctionNode(cls, ctx, args, arrays, on)
-        outputs = tuple(_output(ctx, node, i, r, a, args, on)
-                        for i, (r, a) in enumerate(zip(results, arrays)))
+        outputs: list[Any] = []
+        for i, (r, a) in enumerate(zip(results, arrays)):
+            first = next(j for j, earlier in enumerate(results) if earlier is r)
+            if first < i:  # the same object returned again: the same output again
+                outputs.append(outputs[first])
+            else:
+                outputs.append(r if a is None else _output(ctx, node, i, r, a, args, on))
         ctx._versions = saved_versions(ctx._saved or ())
-        return outputs if several else outputs[0]
+        if node is not None:
+            ctx._own_outputs(node, results, outputs, args)
+        return tuple(outputs) if several else outputs[0]
+
+
+def _array(result: Any) -> np.ndarray | None:
+    """The array of a ``forward`` result, or None for a result that is not a tensor
+    (None, a string, a Python number or bool: it is returned as it is, as in PyTorch)."""
+    if isinstance(result, Tensor):
+        return result.data
+    if isinstance(result, (np.ndarray, np.generic)):
+        return np.asarray(result)
+    return None
 
 
 def _check_dirty(name: str, dirty: tuple[Tensor, ...], args: tuple[Any, ...],
@@ -199,9 +249,10 @@ def _check_dirty(name: str, dirty: tuple[Tensor, ...], args: tuple[Any, ...],
         if not any(t is r for r in results):
             raise RuntimeError(f"{name}.forward: a tensor marked dirty must be returned as "
                                f"an output (return the input itself)")
-        if records and t._view is not None:
-            raise RuntimeError(f"{name}.forward: a view marked dirty while a graph is "
-                               f"recorded is not supported; change and mark its base")
+        if records and t._view is not None and sum(_array(r) is not None for r in results) > 1:
+            raise RuntimeError(f"{name}.forward: a view marked dirty by a Function with "
+                               f"several outputs is not supported (as in PyTorch); mark "
+                               f"its base, or return the view alone")
         if records:
             check_recordable(t, f"{name}.forward (mark_dirty)")
 
@@ -212,7 +263,11 @@ def _output(ctx: FunctionCtx, node: Node | None, i: int, result: Any, array: np.
     differentiable = (node is not None and array.dtype.kind == "f"
                       and not any(result is n for n in ctx._non_differentiable))
     if any(result is t for t in ctx._dirty):  # changed in place: the input itself
-        if differentiable:
+        if differentiable and result._view is not None:  # its base takes the change
+            from pargrad.ops.inplace import rebase_view
+
+            rebase_view(result, Tensor._make(array, node, i, on))
+        elif differentiable:
             result._rebase(node, i)
         return result
     out = Tensor._make(array, node if differentiable else None, i, on)
@@ -228,17 +283,24 @@ def _output(ctx: FunctionCtx, node: Node | None, i: int, result: Any, array: np.
 class FunctionNode(Node):
     """The backward node of one ``Function.apply`` call."""
 
-    __slots__ = ("ctx", "function", "materialize_grads")
+    __slots__ = ("ctx", "function", "materialize_grads", "not_tensors")
+
+    # PyTorch calls a custom backward even when none of its outputs got a gradient
+    # (with zeros, or Nones under set_materialize_grads(False)).
+    runs_without_grads = True
 
     def __init__(
         self, function: type[Function], ctx: FunctionCtx, args: tuple[Any, ...],
-        outputs: list[np.ndarray], device: Device,
+        outputs: list[np.ndarray | None], device: Device,
     ) -> None:
         edges, metas = input_edges(args)
-        super().__init__(edges, metas, tuple((o.shape, o.dtype) for o in outputs), device)
+        super().__init__(edges, metas, tuple(_NOT_A_TENSOR if o is None else (o.shape, o.dtype)
+                                             for o in outputs), device)
         self.function = function
         self.ctx = ctx
         self.materialize_grads = ctx._materialize_grads
+        # Outputs that are not tensors: their gradient is always None.
+        self.not_tensors = tuple(i for i, o in enumerate(outputs) if o is None)
 
     def name(self) -> str:
         return f"{self.function.__name__}Backward"
@@ -248,12 +310,30 @@ class FunctionNode(Node):
         self.ctx._saved = None
         return had_saved
 
+    def __del__(self) -> None:
+        # The graph is gone: a ctx kept elsewhere (a backward that stashed it) no longer
+        # hands out its saved tensors, as in PyTorch.
+        self.ctx._saved = None
+
+    def _run_pre_hooks(self, hooks: NodeHooks, grads: tuple[Grad, ...]) -> tuple[Grad, ...]:
+        return super()._run_pre_hooks(hooks, self._tensor_grads(grads))
+
+    def _tensor_grads(self, grads: tuple[Grad, ...]) -> tuple[Grad, ...]:
+        """``grads`` with None for the outputs that are not tensors."""
+        if not self.not_tensors:
+            return grads
+        return tuple(None if i in self.not_tensors else g for i, g in enumerate(grads))
+
     def backward(self, grads: tuple[Grad, ...]) -> list[Grad | None]:
         wrapped = [g if g is None or isinstance(g, Tensor)
-                   else Tensor._make(np.asarray(g), device=self.device) for g in grads]
+                   else Tensor._make(np.asarray(g), device=self.device)
+                   for g in self._tensor_grads(grads)]
         backward = self.function.backward
         result = backward(self.ctx, *wrapped)
         results = tuple(result) if isinstance(result, (tuple, list)) else (result,)
+        inputs = len(self.next_functions)
+        if len(results) > inputs and all(r is None for r in results[inputs:]):
+            results = results[:inputs]  # trailing Nones beyond the inputs: accepted
         if not is_grad_enabled():
             return [r.data if isinstance(r, Tensor) else r for r in results]
         if getattr(backward, "once_differentiable", False):
@@ -275,6 +355,10 @@ def _delayed_error(node: FunctionNode, grads: list[Any], results: tuple[Any, ...
     )
     return [None if v is None else Tensor._make(v, error, i, node.device)
             for i, v in enumerate(values)]
+
+
+_NOT_A_TENSOR = ((), np.dtype(np.float64))
+"""The metadata a Function's node keeps for an output that is not a tensor."""
 
 
 class DelayedError(Node):

@@ -7,8 +7,9 @@ changes what another thread records. Each thread starts with grad mode enabled.
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -63,7 +64,11 @@ class _GradModeContext:
         _set_enabled(_saved_modes().pop())
 
     def __call__(self, func: F) -> F:
-        """Use as a decorator: every call of ``func`` runs under this mode."""
+        """Use as a decorator: every call of ``func`` runs under this mode; for a
+        generator function, every step of the generator (as in PyTorch), while the code
+        that iterates it keeps its own mode."""
+        if inspect.isgeneratorfunction(func):
+            return self._wrap_generator(func)  # type: ignore[return-value]
 
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -72,12 +77,48 @@ class _GradModeContext:
 
         return wrapper  # type: ignore[return-value]
 
+    def _wrap_generator(self, func: Callable[..., Generator[Any, Any, Any]]) -> Callable[..., Any]:
+        @functools.wraps(func)
+        def generator(*args: Any, **kwargs: Any) -> Generator[Any, Any, Any]:
+            gen = func(*args, **kwargs)
+            try:
+                with self._fresh():
+                    response = gen.send(None)
+                while True:
+                    try:
+                        request = yield response
+                    except GeneratorExit:
+                        with self._fresh():
+                            gen.close()
+                        raise
+                    except BaseException as exc:  # thrown in: the body handles it
+                        with self._fresh():
+                            response = gen.throw(exc)
+                    else:
+                        with self._fresh():
+                            response = gen.send(request)
+            except StopIteration as stop:
+                return stop.value
+
+        return generator
+
     def _fresh(self) -> _GradModeContext:
         return self  # the saved modes live in the thread, so one instance serves all calls
 
 
-class no_grad(_GradModeContext):
-    """Context manager and decorator that disables graph recording in this thread.
+class _BareDecorator(_GradModeContext):
+    """A switch that also decorates without parentheses: ``@no_grad`` as ``@no_grad()``."""
+
+    def __new__(cls, func: Callable[..., Any] | None = None) -> Any:
+        if func is None:
+            return super().__new__(cls)
+        return cls()(func)
+
+
+class no_grad(_BareDecorator):
+    """Context manager and decorator (with or without parentheses) that disables graph
+    recording in this thread; on a generator function it applies to the generator's
+    body, step by step.
 
     >>> import pargrad
     >>> x = pargrad.tensor([1.0, 2.0], requires_grad=True)
@@ -90,8 +131,9 @@ class no_grad(_GradModeContext):
     _mode = False
 
 
-class enable_grad(_GradModeContext):
-    """Context manager and decorator that enables graph recording in this thread."""
+class enable_grad(_BareDecorator):
+    """Context manager and decorator (with or without parentheses) that enables graph
+    recording in this thread (see ``no_grad``)."""
 
     _mode = True
 

@@ -97,6 +97,9 @@ class Node:
     # Whether outputs that got no gradient reach ``backward`` as zeros (else as None);
     # a Function's ``ctx.set_materialize_grads(False)`` turns it off for its node.
     materialize_grads = True
+    # Whether ``backward`` runs when no output got a gradient (else ``apply`` returns
+    # Nones at once); a custom Function's node does, as in PyTorch.
+    runs_without_grads = False
 
     def __init__(
         self,
@@ -155,6 +158,9 @@ class Node:
         for output_nr, registered in hooks.tensor.items():
             grad = grads[output_nr]
             if grad is None:
+                if self.num_outputs > 1:  # an output that got no gradient: PyTorch
+                    for _, hook in registered:  # calls its hooks with None
+                        self._call(hook, "tensor hook", None)
                 continue
             for _, hook in registered:
                 grad = self._replace(grad, self._call(hook, "tensor hook", _wrap(grad, self)),
@@ -170,7 +176,7 @@ class Node:
         except Exception as exc:
             name = getattr(hook, "__qualname__", type(hook).__name__)
             raise BackwardError(self.name(), f"{kind} {name} raised {type(exc).__name__}: "
-                                             f"{exc}") from exc
+                                             f"{exc}").with_traceback(exc.__traceback__) from exc
 
     def _replace(self, old: Grad, new: Any, meta: Meta | None, what: str) -> Grad:
         """``new`` (a hook's result) in place of the gradient ``old``, checked."""
@@ -263,7 +269,7 @@ class Node:
         return checked
 
     def _apply(self, grads: Sequence[Grad | None], retain_graph: bool) -> list[Grad | None]:
-        if all(g is None for g in grads):
+        if not self.runs_without_grads and all(g is None for g in grads):
             return [None] * len(self.next_functions)
         if self._released:
             raise BackwardError(
@@ -282,8 +288,9 @@ class Node:
             outputs = self.backward(full)
         except BackwardError:
             raise
-        except Exception as exc:
-            raise BackwardError(self.name(), f"{type(exc).__name__}: {exc}") from exc
+        except Exception as exc:  # its traceback goes on to the failing line itself
+            raise BackwardError(self.name(), f"{type(exc).__name__}: {exc}"
+                                ).with_traceback(exc.__traceback__) from exc
         checked = self._check(outputs)
         if hooks is not None and hooks.post:
             checked = self._run_post_hooks(hooks, checked, full)
@@ -350,6 +357,10 @@ def _fit(node: Node, result: Any, like: Sequence[Any]) -> tuple[Any, ...]:
     return tuple(result)
 
 
+ACCUMULATOR_PRIORITY = 1 << 62
+"""Added to an ``AccumulateGrad``'s sequence number (see there)."""
+
+
 class AccumulateGrad(Node):
     """The sink for a leaf tensor: engines gather the leaf's total gradient here.
 
@@ -361,15 +372,28 @@ class AccumulateGrad(Node):
 
     def __init__(self, variable: Tensor) -> None:
         super().__init__((), (), ((variable.shape, variable.dtype),), variable.device)
+        # Above every other node's (still unique): an accumulator whose gradient is
+        # complete is taken first, so its leaf's hooks run as soon as they can (PyTorch
+        # gives AccumulateGrad the highest sequence number too). It runs no backward, so
+        # this changes no buffer's summation order.
+        self.sequence_nr += ACCUMULATOR_PRIORITY
         self.variable = variable
         self._hooks = variable._hooks  # the leaf's tensor hooks (shared, see hooks.py)
 
     def register_prehook(self, hook: Hook) -> RemovableHandle:
-        raise TypeError("AccumulateGrad does not run a backward: register the hook on its "
-                        "leaf with Tensor.register_hook (sees the gradient) or "
-                        "register_post_accumulate_grad_hook (runs after .grad is updated)")
+        """Call ``hook((grad,))`` before ``backward`` adds the leaf's gradient to its
+        ``.grad`` (after the leaf's tensor hooks); it may return a replacement tuple.
+        ``pargrad.grad`` does not call it (it accumulates nothing)."""
+        return super().register_prehook(hook)
 
-    register_hook = register_prehook
+    def register_hook(self, hook: Hook) -> RemovableHandle:
+        """Call ``hook((), (grad,))`` after ``backward`` updated the leaf's ``.grad`` (and
+        after its post-accumulate-grad hooks); ``grad`` is the new ``.grad`` when there
+        was none before. ``pargrad.grad`` does not call it."""
+        return super().register_hook(hook)
+
+    def _hooks_made(self) -> NodeHooks:
+        return self.variable._leaf_hooks()  # one NodeHooks for the leaf and its accumulator
 
 
 class Dependencies:

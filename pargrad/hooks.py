@@ -6,7 +6,8 @@ Where hooks live (as in PyTorch):
   (the leaf and its accumulator share one ``NodeHooks``);
 - ``Tensor.retain_grad`` marks a non-leaf output whose gradient the backward keeps;
 - a node's pre-hooks and (post-)hooks (``Node.register_prehook`` / ``register_hook``);
-- a leaf's post-accumulate-grad hooks, called after its ``.grad`` was updated.
+- a leaf's post-accumulate-grad hooks, called after its ``.grad`` was updated;
+- ``register_multi_grad_hook``: one function for the gradients of several tensors.
 
 For one node, they fire in this order: tensor hooks (output by output, each in
 registration order), then the gradient is kept for ``retain_grad`` / ``pargrad.grad``,
@@ -23,8 +24,10 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
+
+from pargrad import callbacks
 
 if TYPE_CHECKING:
     from pargrad.tensor import Tensor
@@ -101,6 +104,87 @@ class RemovableHandle:
             self._hooks = None
 
     def __enter__(self) -> RemovableHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def register_multi_grad_hook(tensors: Sequence[Tensor], fn: Hook, *,
+                             mode: str = "all") -> MultiHandle:
+    """Call ``fn`` once per backward with the gradients of several ``tensors``.
+
+    ``mode="all"``: ``fn(grads)`` with one entry per tensor (None for those that got no
+    gradient in that backward), once the backward has computed them all; it runs at the
+    end of that backward (``queue_callback``), before ``.grad`` is committed: PyTorch
+    calls it as soon as the last of them is ready. ``mode="any"``: ``fn(grad)`` with
+    the first of them computed in each backward. Each backward (also when several run
+    at once on different threads) calls ``fn`` at most once; a backward that fails does
+    not call it in mode "all". Returns a handle whose ``remove()`` unregisters it.
+
+    >>> import pargrad
+    >>> a = pargrad.tensor(1.0, requires_grad=True)
+    >>> b = pargrad.tensor(2.0, requires_grad=True)
+    >>> seen = []
+    >>> handle = pargrad.register_multi_grad_hook(
+    ...     (a, b), lambda grads: seen.append([g is not None for g in grads]))
+    >>> (a * 3).backward()
+    >>> seen
+    [[True, False]]
+    """
+    if mode not in ("all", "any"):
+        raise ValueError(f"register_multi_grad_hook: mode must be 'all' or 'any', got {mode!r}")
+    if not callable(fn):
+        raise TypeError(f"a hook must be callable, got {type(fn).__name__}")
+    count = len(tensors)
+    # Guards calls: per backward (its Callbacks, dropped with it), the gradients seen
+    # so far (mode "all") or that fn has run (mode "any").
+    lock = threading.Lock()
+    calls: weakref.WeakKeyDictionary[callbacks.Callbacks, list[Any]] = (
+        weakref.WeakKeyDictionary())
+
+    def seen(i: int, grad: Any) -> None:
+        backward = callbacks.current()
+        if backward is None:  # not inside a backward: cannot happen for a tensor hook
+            raise RuntimeError("register_multi_grad_hook: a hook ran outside a backward")
+        with lock:
+            first = backward not in calls
+            if first:
+                calls[backward] = [None] * count
+            if mode == "all":
+                calls[backward][i] = grad
+        if mode == "any":
+            if first:
+                fn(grad)
+        elif first:
+            backward.queue(lambda: fn(tuple(_pop(calls, lock, backward))))
+
+    def hook_for(i: int) -> Hook:
+        return lambda grad: seen(i, grad)
+
+    return MultiHandle([t.register_hook(hook_for(i)) for i, t in enumerate(tensors)])
+
+
+def _pop(calls: weakref.WeakKeyDictionary[Any, list[Any]], lock: threading.Lock,
+         key: Any) -> list[Any]:
+    with lock:
+        return calls.pop(key)
+
+
+class MultiHandle:
+    """What ``register_multi_grad_hook`` returns: ``remove()`` unregisters it."""
+
+    __slots__ = ("_handles",)
+
+    def __init__(self, handles: list[RemovableHandle]) -> None:
+        self._handles = handles
+
+    def remove(self) -> None:
+        """Unregister the hook from every tensor (idempotent)."""
+        for handle in self._handles:
+            handle.remove()
+
+    def __enter__(self) -> MultiHandle:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -234,6 +234,22 @@ class Tensor:
         leaf._counter = counter_of(self)
         return leaf
 
+    def detach_(self) -> Tensor:
+        """Make this tensor a leaf that does not require grad, in place (its data, device
+        and version counter stay); returns it. A ``retain_grad`` mark is dropped.
+
+        Raises RuntimeError on a view (its history belongs to its base): use ``detach()``.
+        """
+        if self._view is not None:
+            raise RuntimeError("detach_: cannot detach a view of another tensor in place; "
+                               "use .detach() to get a new leaf instead")
+        hooks = None if self.grad_fn is None else self.grad_fn._hooks
+        if hooks is not None and self.output_nr in hooks.retains:
+            hooks.release(self.output_nr)
+        self.grad_fn, self.output_nr = None, 0
+        self._requires_grad = False
+        return self
+
     @property
     def _version(self) -> int:
         """How many times this tensor's memory was changed in place (as PyTorch's
@@ -548,6 +564,53 @@ class Tensor:
     def div_(self, other: Any) -> Tensor:
         """``self /= other`` in place; returns self."""
         return _inplace.update(self, "div_", _ops.divide, other)
+
+    # In-place versions of the unary ops: ``x.exp_()`` is ``x <- exp(x)`` in place.
+    def exp_(self) -> Tensor:
+        """``self <- exp(self)`` in place; returns self."""
+        return _inplace.update_unary(self, "exp_", _ops.exp)
+
+    def log_(self) -> Tensor:
+        """``self <- log(self)`` in place; returns self."""
+        return _inplace.update_unary(self, "log_", _ops.log)
+
+    def sqrt_(self) -> Tensor:
+        """``self <- sqrt(self)`` in place; returns self."""
+        return _inplace.update_unary(self, "sqrt_", _ops.sqrt)
+
+    def abs_(self) -> Tensor:
+        """``self <- abs(self)`` in place; returns self."""
+        return _inplace.update_unary(self, "abs_", _ops.abs)
+
+    def neg_(self) -> Tensor:
+        """``self <- -self`` in place; returns self."""
+        return _inplace.update_unary(self, "neg_", _ops.negative)
+
+    def tanh_(self) -> Tensor:
+        """``self <- tanh(self)`` in place; returns self."""
+        return _inplace.update_unary(self, "tanh_", _ops.tanh)
+
+    def sigmoid_(self) -> Tensor:
+        """``self <- sigmoid(self)`` in place; returns self."""
+        return _inplace.update_unary(self, "sigmoid_", _ops.sigmoid)
+
+    def relu_(self) -> Tensor:
+        """``self <- relu(self)`` in place; returns self."""
+        return _inplace.update_unary(self, "relu_", _ops.relu)
+
+    def sin_(self) -> Tensor:
+        """``self <- sin(self)`` in place; returns self."""
+        return _inplace.update_unary(self, "sin_", _ops.sin)
+
+    def cos_(self) -> Tensor:
+        """``self <- cos(self)`` in place; returns self."""
+        return _inplace.update_unary(self, "cos_", _ops.cos)
+
+    def clip_(self, a_min: Any = None, a_max: Any = None) -> Tensor:
+        """``self <- clip(self, a_min, a_max)`` in place; returns self (``clamp_`` too)."""
+        return _inplace.update_unary(self, "clip_", lambda t: _ops.clip(t, a_min, a_max))
+
+    clamp_ = clip_
 
     def fill_(self, value: Any) -> Tensor:
         """Set every element to ``value`` (a number, or a one-element Tensor, which then

@@ -21,7 +21,7 @@ import numpy as np
 
 from pargrad.devices import CPU
 from pargrad.function import FunctionNode
-from pargrad.graph import AccumulateGrad, Meta, Node
+from pargrad.graph import ACCUMULATOR_PRIORITY, AccumulateGrad, Meta, Node
 from pargrad.ops.core import OpNode
 from pargrad.tensor import Tensor
 
@@ -50,7 +50,15 @@ def nodes(*tensors: Tensor) -> list[Node]:
             continue
         seen.add(node)
         stack.extend(n for n, _ in node.next_functions if n is not None)
-    return sorted(seen, key=lambda n: -n.sequence_nr)
+    return sorted(seen, key=lambda n: -_created(n))
+
+
+def _created(node: Node) -> int:
+    """The node's place in creation order (an accumulator's ``sequence_nr`` is raised
+    above every other node's: ``graph.ACCUMULATOR_PRIORITY``)."""
+    if isinstance(node, AccumulateGrad):
+        return node.sequence_nr - ACCUMULATOR_PRIORITY
+    return node.sequence_nr
 
 
 def to_dot(*tensors: Tensor, name: str = "backward") -> str:

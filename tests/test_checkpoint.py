@@ -152,7 +152,7 @@ def test_bad_outputs_and_a_second_backward(engine: pargrad.Engine) -> None:
     y = checkpoint(layer, x, w).sum()
     x.grad = w.grad = None
     y.backward(retain_graph=True)
-    first = [x.grad.data, w.grad.data]
+    first = [x.grad.data.copy(), w.grad.data.copy()]  # .grad accumulates in place
     y.backward()  # retained: a second backward recomputes again
     assert_same([x.grad.data, w.grad.data], [2 * g for g in first], bitwise=False)
 

@@ -185,13 +185,18 @@ def test_grads_never_share_memory(engine: pargrad.Engine) -> None:
     np.testing.assert_array_equal(g, [1.0, 1.0])
 
 
-def test_accumulation_does_not_write_into_the_previous_grad(engine: pargrad.Engine) -> None:
+def test_accumulation_adds_into_the_previous_grad_in_place(engine: pargrad.Engine) -> None:
+    # As PyTorch: without create_graph, .grad is added to in place (issue 14).
     x = leaf([1.0, 2.0])
     (x * 1.0).sum().backward()
     first = x.grad
     (x * 1.0).sum().backward()
-    np.testing.assert_array_equal(first.data, [1.0, 1.0])
-    np.testing.assert_array_equal(x.grad.data, [2.0, 2.0])
+    assert x.grad is first and first._version == 1
+    np.testing.assert_array_equal(first.data, [2.0, 2.0])
+    (x * 1.0).sum().backward(create_graph=True)  # recording: a new tensor, as PyTorch
+    assert x.grad is not first
+    np.testing.assert_array_equal(first.data, [2.0, 2.0])
+    np.testing.assert_array_equal(x.grad.data, [3.0, 3.0])
 
 
 # ----- order -----
@@ -385,13 +390,24 @@ class DropGradient(pargrad.Function):
 
 
 def test_a_node_that_receives_only_none_is_skipped(engine: pargrad.Engine) -> None:
+    x = leaf([1.0, 2.0])
+    upstream = x.exp()  # gets nothing: DropGradient returns None
+    y = DropGradient.apply(upstream) * 2 + x
+    y.sum().backward()
+    np.testing.assert_array_equal(x.grad.data, [1.0, 1.0])  # only the direct path
+    upstream.grad_fn.register_prehook(lambda grads: pytest.fail("ExpBackward ran"))
+    DropGradient.apply(upstream).sum().backward()  # the op node is skipped: no error
+
+
+def test_a_function_that_receives_only_none_still_runs(engine: pargrad.Engine) -> None:
+    # As PyTorch: a custom Function's backward runs with zeros (issue 14).
     Log.calls = []
     x = leaf([1.0, 2.0])
     upstream = Log.apply(x * 3, "upstream")  # gets nothing: DropGradient returns None
     y = DropGradient.apply(upstream) * 2 + x
     y.sum().backward()
-    assert Log.calls == []  # its backward never ran
-    np.testing.assert_array_equal(x.grad.data, [1.0, 1.0])  # only the direct path
+    assert Log.calls == ["upstream"]
+    np.testing.assert_array_equal(x.grad.data, [1.0, 1.0])  # zeros from that path
 
 
 def test_node_interface(engine: pargrad.Engine) -> None:

@@ -239,6 +239,19 @@ def test_mark_dirty_bumps_the_version_even_when_apply_refuses() -> None:
     with pytest.raises(RuntimeError, match="leaf tensor that requires grad"):
         AddOneInPlace.apply(w)
     assert w.data.tolist() == [2.0] and w._version == 1  # forward did change it
-    h = w * 1.0
-    with pytest.raises(RuntimeError, match="view marked dirty"):
-        AddOneInPlace.apply(h[:1])
+    with pytest.raises(RuntimeError, match="a view of a leaf tensor that requires grad"):
+        AddOneInPlace.apply(w[:1])
+    assert w.data.tolist() == [3.0] and w._version == 2
+
+
+def test_mark_dirty_on_a_view_gives_its_base_the_change() -> None:
+    # (issue 14) A view marked dirty while recording: as an in-place op through a view,
+    # its base takes a CopySlicesBackward and the view is made again from it.
+    w = pargrad.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    h = w * 2.0
+    v = h[1:]
+    out = AddOneInPlace.apply(v)
+    assert out is v and v.data.tolist() == [5.0, 7.0] and h.data.tolist() == [2.0, 5.0, 7.0]
+    assert h.grad_fn.name() == "CopySlicesBackward" and v.grad_fn is not None
+    (h * pargrad.tensor([1.0, 10.0, 100.0])).sum().backward()
+    assert w.grad.data.tolist() == [2.0, 20.0, 200.0]

@@ -36,6 +36,7 @@ from concurrent.futures import CancelledError
 from typing import Any
 
 from pargrad import anomaly
+from pargrad.callbacks import Callbacks
 from pargrad.engine import trace
 from pargrad.engine.base import Engine
 from pargrad.engine.buffer import InputBuffer, Key, OrderedInputBuffer
@@ -124,11 +125,13 @@ class InlineRun:
     GraphTask: what a thread's stack of running tasks needs of it (its reentrant depth,
     and the task whose node called it)."""
 
-    __slots__ = ("depth", "parent")
+    __slots__ = ("callbacks", "depth", "parent")
 
     def __init__(self, parent: GraphTask | InlineRun | None) -> None:
         self.parent = parent
         self.depth: int = 0 if parent is None else parent.depth + 1
+        # pargrad.queue_callback's callbacks: run by the engine once the backward succeeded.
+        self.callbacks = Callbacks()
 
 
 def counting(root_nodes: Iterable[Node], inputs: Sequence[Edge] | None
@@ -179,6 +182,8 @@ class GraphTask:
         # The task whose node waits for this one (a reentrant backward), or None.
         self.parent = parent
         self.number = trace.next_task_number()  # tells backward calls apart in a trace
+        # pargrad.queue_callback's callbacks: run by the engine once the task succeeded.
+        self.callbacks = Callbacks()
         self._on_done = on_done
         root_nodes = {node for node, _ in roots if node is not None}
         # With inputs (pargrad.grad): the nodes on a path to them, and which of those run.

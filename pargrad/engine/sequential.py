@@ -16,14 +16,22 @@ them (``graph.needed``), and returns just their gradients.
 
 Popping the highest sequence number runs nodes in exactly reverse creation order (the
 newest unrun node is always ready, since everything that consumed it was created
-later), so gradients reach each buffer in the canonical order of docs/design.md.
+later), so gradients reach each buffer in the canonical order of docs/design.md. (An
+``AccumulateGrad``'s number is raised above all others, so a leaf is kept as soon as its
+gradient is complete; it runs nothing, so no buffer's order changes.) A reentrant
+backward nested deeper than ``MAX_REENTRANT_DEPTH`` on one thread continues on a fresh
+thread, so that no depth exhausts the stack; ``pargrad.queue_callback``'s callbacks run
+after the loop.
 """
 
 from __future__ import annotations
 
 import heapq
+import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
+from pargrad import anomaly, callbacks
 from pargrad.engine.base import Engine, use_engine
 from pargrad.engine.buffer import InputBuffer
 from pargrad.engine.trace import ThreadCounts
@@ -60,12 +68,37 @@ class SequentialEngine(Engine):
         inputs: Sequence[Edge] | None = None,
         on_kept: Callable[[Edge, Grad], bool] | None = None,
     ) -> dict[Edge, Grad]:
+        def run() -> dict[Edge, Grad]:
+            return self._execute(roots, grads, retain_graph=retain_graph,
+                                 create_graph=create_graph, inputs=inputs, on_kept=on_kept)
+
+        depth = _local.depth
+        if depth >= MAX_REENTRANT_DEPTH:  # a reentrant backward this deep: a fresh stack
+            return _on_fresh_stack(run)
+        _local.depth = depth + 1
+        try:
+            return run()
+        finally:
+            _local.depth = depth
+
+    def _execute(
+        self,
+        roots: Sequence[Edge],
+        grads: Sequence[Grad],
+        *,
+        retain_graph: bool,
+        create_graph: bool,
+        inputs: Sequence[Edge] | None,
+        on_kept: Callable[[Edge, Grad], bool] | None,
+    ) -> dict[Edge, Grad]:
         root_nodes = [node for node, _ in roots if node is not None]
         runs = None if inputs is None else needed(root_nodes, inputs)
         counts = Dependencies(root_nodes, within=runs).counts
         kept = Kept(inputs, on_kept)
-        with set_grad_enabled(create_graph), use_engine(self):  # nested backward: here too
+        queued = callbacks.Callbacks()  # pargrad.queue_callback's, run after the loop
+        with set_grad_enabled(create_graph), use_engine(self), callbacks.running(queued):
             run_graph(roots, grads, counts, runs, kept, retain_graph=retain_graph)
+        queued.run()
         return kept.grads
 
 
@@ -133,3 +166,39 @@ def run_graph(roots: Sequence[Edge], grads: Sequence[Grad], counts: dict[Node, l
         for (next_node, input_nr), grad in zip(node.next_functions, outputs):
             if next_node is not None and next_node in counts:  # else: leads nowhere
                 deliver(next_node, input_nr, grad)  # needed (with inputs)
+
+
+MAX_REENTRANT_DEPTH = 32
+"""Nested backward calls one thread runs on its own stack; a deeper one runs on a new
+thread (the caller waits for it), so that thousands of nested calls fit in no stack."""
+
+class _ThreadState(threading.local):
+    """Per-thread state, so no lock: ``depth``, the backward calls nested on this
+    thread (a class default, so a new thread reads 0 without a miss)."""
+
+    depth = 0
+
+
+_local = _ThreadState()
+
+
+def _on_fresh_stack(run: Callable[[], Any]) -> Any:
+    """``run()`` on a new thread, with the calling thread's anomaly mode; blocks until
+    it is done and returns its result or raises its exception."""
+    mode = anomaly.current_mode()
+    outcome: list[Any] = []
+
+    def target() -> None:
+        anomaly.set_mode(mode)
+        try:
+            outcome.append((True, run()))
+        except BaseException as exc:  # handed to the waiting caller
+            outcome.append((False, exc))
+
+    thread = threading.Thread(target=target, name="pargrad-sequential-reentrant")
+    thread.start()
+    thread.join()
+    ok, result = outcome[0]
+    if not ok:
+        raise result
+    return result

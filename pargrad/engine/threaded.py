@@ -55,7 +55,7 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 
-from pargrad import anomaly
+from pargrad import anomaly, callbacks
 from pargrad.devices import CPU, Device, available_cores, device
 from pargrad.engine import blas
 from pargrad.engine.base import Engine, _engine_stack
@@ -387,6 +387,14 @@ def _current_task() -> GraphTask | InlineRun | None:
     return running[-1] if running else None
 
 
+def _current_callbacks() -> callbacks.Callbacks | None:
+    task = _current_task()
+    return None if task is None else task.callbacks
+
+
+callbacks.add_finder(_current_callbacks)  # pargrad.queue_callback finds our tasks
+
+
 def _inside(task: GraphTask) -> bool:
     """Whether this thread is inside a node of ``task``, or of a reentrant backward
     that a node of ``task`` waits for: then waiting for ``task`` waits for itself."""
@@ -397,6 +405,16 @@ def _inside(task: GraphTask) -> bool:
                 return True
             outer = outer.parent
     return False
+
+
+def _resolve(future: BackwardFuture[dict[Edge, Grad]], task: GraphTask) -> None:
+    """Resolve ``future`` with the result of ``task`` (succeeded) once its callbacks ran."""
+    try:
+        task.callbacks.run()
+    except Exception as exc:
+        future.set_exception(exc)
+    else:
+        future.set_result(task.captured())
 
 
 def _record_ready(records: list[Log], node: Node, task: GraphTask) -> None:
@@ -716,6 +734,7 @@ class ThreadedEngine(Engine):
         self._counters.task_ended(failed=error is not None)
         if error is not None:
             raise _with_hint(error)
+        task.callbacks.run()
         return task.captured()
 
     def _all_cheap(self, counts: Mapping[Node, object], on: Device) -> bool:
@@ -744,7 +763,8 @@ class ThreadedEngine(Engine):
         try:
             kept = Kept(inputs, on_kept)
             running, engines = _running(), _engine_stack()
-            running.append(InlineRun(parent))
+            run = InlineRun(parent)
+            running.append(run)
             engines.append(self)
             previous_mode = is_grad_enabled()
             _set_enabled(create_graph)
@@ -760,6 +780,7 @@ class ThreadedEngine(Engine):
                 _set_enabled(previous_mode)
                 engines.pop()
                 running.pop()
+            run.callbacks.run()
             failed = False
             return kept.grads
         finally:
@@ -801,7 +822,7 @@ class ThreadedEngine(Engine):
                     elif error is not None:
                         future.set_exception(_with_hint(error))
                     else:
-                        future.set_result(task.captured())
+                        _resolve(future, task)
             except BaseException as exc:  # a done-callback's SystemExit: all callbacks ran
                 if _local.pool is not pool:
                     raise  # a caller's thread (helping, or starting): it gets it

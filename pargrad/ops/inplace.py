@@ -1,4 +1,5 @@
-"""In-place operations: ``x.add_(y)`` and ``x += y``, ``x[index] = v``, ``fill_``, ``zero_``.
+"""In-place operations: ``x.add_(y)`` and ``x += y``, ``x.exp_()`` and the other unary
+ones, ``x[index] = v``, ``fill_``, ``zero_``.
 
 Each writes into the tensor's memory and bumps its version counter, so a node that saved
 the tensor for its backward refuses to run on the changed values (pargrad/versions.py).
@@ -23,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from pargrad.devices import common_device
-from pargrad.grad_mode import is_grad_enabled
+from pargrad.grad_mode import enable_grad, is_grad_enabled
 from pargrad.ops.core import Op, array_of, defop
 from pargrad.ops.elementwise import astype
 from pargrad.ops.shape import _normalize_index
@@ -108,6 +109,24 @@ def update(t: Tensor, name: str, op: Any, other: Any) -> Tensor:
     return t
 
 
+def update_unary(t: Tensor, name: str, op: Any) -> Tensor:
+    """``t <- op(t)`` in ``t``'s memory (``exp_``, ``relu_``...); returns ``t``. Raises
+    as ``update``."""
+    return update(t, name, _Unary(op), None)
+
+
+class _Unary:
+    """A unary op called as ``update`` calls binary ones: ``op(t, None)``."""
+
+    __slots__ = ("op",)
+
+    def __init__(self, op: Any) -> None:
+        self.op = op
+
+    def __call__(self, t: Any, _: None) -> Any:
+        return self.op(t)
+
+
 def _reads_old_value(op: Any, t: Tensor, other: Any) -> bool:
     """Whether the node of ``op(t, other)`` reads ``t``'s values (then the stand-in needs
     a copy of them, since ``t``'s memory is about to change)."""
@@ -169,8 +188,20 @@ def check_recordable(t: Tensor, name: str) -> None:
 
 
 def _standin(t: Tensor, copy: bool) -> Tensor:
-    """A tensor with ``t``'s old history, and its old values if ``copy``."""
-    return Tensor._make(t.data.copy() if copy else t.data, t.grad_fn, t.output_nr, t.device)
+    """A tensor with ``t``'s old history, and its old values if ``copy``.
+
+    For a view, that history is made again from its base: the change then reaches the
+    base's old history through a node of its own, not through the view's ``grad_fn``,
+    whose hooks (they saw the gradient of the view's old value) are left out of the new
+    graph, as in PyTorch.
+    """
+    array = t.data.copy() if copy else t.data
+    view = t._view
+    if view is not None and view.chain is not None and t.grad_fn is not None:
+        with enable_grad():
+            fresh = replay(_standin(view.base, copy=False), view.chain)
+        return Tensor._make(array, fresh.grad_fn, fresh.output_nr, t.device)
+    return Tensor._make(array, t.grad_fn, t.output_nr, t.device)
 
 
 def _fitted(t: Tensor, result: Tensor, name: str) -> Tensor:
@@ -208,7 +239,15 @@ def _commit(t: Tensor, result: Tensor, name: str) -> None:
         _write(t, result.data, name)
         t._rebase(result.grad_fn, result.output_nr)
         return
-    new_base = _copy_slices(_standin(view.base, copy=False), result, chain=view.chain)
     _write(t, result.data, name)  # the view's region of the base: all that changes
+    rebase_view(t, result)
+
+
+def rebase_view(t: Tensor, result: Tensor) -> None:
+    """Give the base of the view ``t``, whose memory already holds ``result``, the
+    history of that change (``CopySlicesBackward``), then remake ``t`` from it."""
+    view = t._view
+    assert view is not None and view.chain is not None  # (check_recordable refused others)
+    new_base = _copy_slices(_standin(view.base, copy=False), result, chain=view.chain)
     view.base._rebase(new_base.grad_fn, new_base.output_nr)
     refresh(t)
