@@ -176,9 +176,12 @@ class _Call:
 
     def _set(self, roots: tuple[Tensor, ...], grads: list[Grad], retain_graph: bool | None,
              create_graph: bool, engine: Engine | None) -> None:
+        if engine is not None and not isinstance(engine, Engine):
+            raise TypeError(f"engine= must be a pargrad Engine (e.g. pargrad.ThreadedEngine()), "
+                            f"got {type(engine).__name__} {engine!r}")
         self.grads = grads
         self.roots = [t._edge() for t in roots]
-        self.retain_graph = create_graph if retain_graph is None else retain_graph
+        self.retain_graph = create_graph if retain_graph is None else bool(retain_graph)
         self.create_graph = create_graph
         self.engine = engine if engine is not None else current_engine()
 
@@ -194,6 +197,7 @@ class _BackwardCall(_Call):
 
     def __init__(self, tensors: Any, grad_tensors: Any, retain_graph: bool | None,
                  create_graph: bool, inputs: Any, engine: Engine | None) -> None:
+        create_graph = _flags(retain_graph, create_graph, "backward")
         roots = _as_tensors(tensors, "backward")
         grads = _root_grads(roots, grad_tensors, create_graph)
         self.targets = None if inputs is None else _inputs(inputs, "backward")
@@ -221,6 +225,7 @@ class _GradCall(_Call):
     def __init__(self, outputs: Any, inputs: Any, grad_outputs: Any,
                  retain_graph: bool | None, create_graph: bool, allow_unused: bool | None,
                  materialize_grads: bool, engine: Engine | None) -> None:
+        create_graph = _flags(retain_graph, create_graph, "grad")
         if materialize_grads and allow_unused is False:
             raise ValueError("grad: materialize_grads=True needs allow_unused=True (or unset)")
         self.allow_unused = materialize_grads if allow_unused is None else allow_unused
@@ -310,6 +315,17 @@ def _receiver(edge: Edge, receivers: dict[Edge, Tensor]) -> Tensor | None:
     retains = node._hooks.retains if node is not None and node._hooks is not None else {}
     ref = retains.get(output_nr)
     return None if ref is None else ref()
+
+
+def _flags(retain_graph: Any, create_graph: Any, caller: str) -> bool:
+    """Check ``retain_graph`` and ``create_graph`` (a bool, numpy's included, or None);
+    return ``create_graph`` as a bool (None: False). A string such as ``'no'`` would
+    otherwise be taken as True."""
+    for name, value in (("retain_graph", retain_graph), ("create_graph", create_graph)):
+        if value is not None and not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{caller}: {name} must be True, False or None, "
+                            f"got {type(value).__name__} {value!r}")
+    return bool(create_graph)
 
 
 def _as_tensors(tensors: Any, caller: str) -> tuple[Tensor, ...]:

@@ -87,7 +87,9 @@ class BackwardFuture(Future[T]):
 
     def cancel(self) -> bool:
         """Stop the backward if it is in flight; True if the future is (or will be,
-        when called from inside the backward) cancelled, False if it resolved otherwise.
+        when called from inside the backward) cancelled, False if it resolved otherwise
+        (it is then done, with its result or error, except when called from inside a
+        node of this backward, which cannot wait for it).
 
         Blocks until the nodes already running have finished, unless called from inside
         a node or hook of this backward; meanwhile it helps as ``result()`` does, so the
@@ -97,12 +99,14 @@ class BackwardFuture(Future[T]):
         work = self._work
         if work is None or self.done():
             return super().cancel()
-        if not work.cancel():
-            return False  # over: it resolves with its result or error
+        cancelled = work.cancel()  # False: it completed, or a node's error came first
         if not work.inside():
+            # Either way, return only once the future is resolved: a False must mean
+            # "resolved otherwise", never "still pending" (a node that failed first does
+            # not make the backward over: nodes already running still finish).
             work.wait(None)  # help until the task is over (its skipped nodes drained)
             wait([self])  # then until the thread that finished it has resolved it
-        return True
+        return cancelled
 
     def result(self, timeout: float | None = None) -> T:
         """The backward's result; blocks until it is over (at most ``timeout`` s).

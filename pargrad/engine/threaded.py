@@ -618,7 +618,7 @@ class ThreadedEngine(Engine):
         self.trace = Trace() if trace else None
         self._counters = Counters()
         self.deterministic = bool(deterministic)
-        self.handoff_threshold = int(handoff_threshold)
+        self.handoff_threshold = _check_count(handoff_threshold, "handoff_threshold")
         self.limit_blas = bool(limit_blas)
         weakref.finalize(self, self._pool.shutdown, False)
 
