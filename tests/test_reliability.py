@@ -136,3 +136,88 @@ def test_graph_flags_accept_bools_numpy_bools_and_none() -> None:
     pargrad.backward(y, retain_graph=np.True_, create_graph=None)
     pargrad.backward(y, retain_graph=None, create_graph=False)
     np.testing.assert_array_equal(x.grad.data, [4.0, 8.0])
+
+
+# ----- dtype safety: no gradient path is dropped silently -----
+
+def test_a_complex_constant_no_longer_drops_a_gradient_path() -> None:
+    """The issue's case: loss = sum(x * c) + sum(2 x) with complex c gave x.grad
+    [2, 2, 2] (the first path silently lost) where the truth is [3, 3, 3]."""
+    x = leaf([1.0, 2.0, 3.0])
+    with pytest.raises(TypeError, match=r"multiply: .*argument 1 \(complex128\)"):
+        x * np.complex128(1 + 0j)
+    with pytest.raises(TypeError, match="object"):
+        x * np.array([1, 1, 1], dtype=object)
+    with pytest.raises(TypeError, match="where"):
+        pargrad.where(np.array([True, False, True]), x, 1j)
+    with pytest.raises(TypeError, match="astype"):
+        x.astype(np.complex128)
+    loss = (x * np.complex128(1).real).sum() + (x * 2).sum()  # the fix the message names
+    loss.backward()
+    np.testing.assert_array_equal(x.grad.data, [3.0, 3.0, 3.0])
+
+
+def test_mixing_outside_grad_mode_or_without_grad_is_allowed() -> None:
+    x = leaf([1.0, 2.0])
+    with pargrad.no_grad():
+        assert (x * 1j).dtype == np.complex128
+    assert (x.detach() * 1j).dtype == np.complex128
+    assert (x > 1.0).dtype == np.bool_  # comparisons: constants by definition
+
+
+CONSTANT_DTYPES = [np.bool_, np.int8, np.int64, np.uint16, np.float16, np.float32,
+                   np.float64, np.complex64, np.complex128, np.object_, np.str_]
+BINARY = {
+    "add": lambda x, c: x + c,
+    "radd": lambda x, c: c + x,
+    "subtract": lambda x, c: x - c,
+    "multiply": lambda x, c: x * c,
+    "rmultiply": lambda x, c: c * x,
+    "divide": lambda x, c: x / c,
+    "maximum": lambda x, c: np.maximum(x, c),
+    "where": lambda x, c: pargrad.where(np.array(True), x, c),
+}
+
+
+def _constant(dtype: Any, shape: tuple[int, ...], as_scalar: bool) -> Any:
+    if dtype is np.str_:
+        return np.full(shape, "1.5")
+    value = np.full(shape, 1.5)
+    if dtype is np.bool_:
+        value = value > 0
+    array = value.astype(dtype)
+    return array.reshape(-1)[0] if as_scalar else array
+
+
+def test_dtype_mixes_raise_or_keep_the_gradient() -> None:
+    """Every binary op of a float leaf with a constant of every dtype (array or scalar):
+    either it raises TypeError at the op, or the result is a float Tensor that requires
+    grad and carries the gradient (checked by value for the linear ops)."""
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    @given(op=st.sampled_from(sorted(BINARY)), leaf_dtype=st.sampled_from([np.float32, np.float64]),
+           const_dtype=st.sampled_from(CONSTANT_DTYPES), as_scalar=st.booleans(),
+           shape=st.sampled_from([(), (3,), (2, 3)]))
+    def check(op: str, leaf_dtype: Any, const_dtype: Any, as_scalar: bool,
+              shape: tuple[int, ...]) -> None:
+        x = pargrad.tensor(np.arange(1.0, 1.0 + np.prod(shape, dtype=int)).reshape(shape),
+                           dtype=leaf_dtype, requires_grad=True)
+        c = _constant(const_dtype, shape, as_scalar)
+        try:
+            out = BINARY[op](x, c)
+        except TypeError:
+            kind = np.asarray(c).dtype.kind
+            assert kind in "cOSU", f"{op} refused a {np.asarray(c).dtype} constant"
+            return
+        assert np.asarray(c).dtype.kind not in "cOSU", f"{op} took {np.asarray(c).dtype}"
+        assert out.requires_grad and out.dtype.kind == "f", (op, out.dtype)
+        out.sum().backward()
+        expected = {"add": 1.0, "radd": 1.0, "subtract": 1.0, "where": 1.0,
+                    "multiply": np.asarray(c, np.float64), "rmultiply": np.asarray(c, np.float64)}
+        if op in expected:
+            np.testing.assert_allclose(x.grad.data, np.broadcast_to(expected[op], shape),
+                                       rtol=1e-3)
+        assert x.grad.dtype == leaf_dtype
+
+    check()
