@@ -13,7 +13,7 @@ backward then fails, unless another backward has committed into that leaf meanwh
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,6 +23,7 @@ from pargrad.engine.buffer import accumulate
 from pargrad.futures import BackwardFuture
 from pargrad.grad_mode import enable_grad
 from pargrad.graph import AccumulateGrad, Edge, Grad
+from pargrad.interrupts import deferred_interrupts
 from pargrad.ops import copy
 from pargrad.tensor import Tensor, grad_lock
 
@@ -210,13 +211,20 @@ class _BackwardCall(_Call):
         return {**self._options(inputs), "on_kept": self.early}
 
     def commit(self, kept: dict[Edge, Grad]) -> None:
-        """Add what the engine kept to ``.grad`` (the whole backward succeeded)."""
+        """Add what the engine kept to ``.grad`` (the whole backward succeeded).
+
+        Atomic, also under Ctrl-C: every new ``.grad`` is computed first (an interrupt
+        there publishes nothing), then published by a loop that only assigns, with
+        SIGINT deferred to its end (``interrupts.deferred_interrupts``), all under
+        ``grad_lock``, so no thread and no handler sees part of it."""
         receivers = {} if self.targets is None else {t._edge(): t for t in self.targets}
-        with grad_lock, enable_grad():
-            for edge, grad in kept.items():
-                tensor = _receiver(edge, receivers)
-                if tensor is not None:
-                    _add_to_grad(tensor, grad, self.create_graph)
+        with grad_lock:
+            with enable_grad():
+                updates = [(tensor, _added_to_grad(tensor, grad, self.create_graph))
+                           for tensor, grad in _receivers(kept, receivers)]
+            with deferred_interrupts():
+                for tensor, value in updates:
+                    tensor._grad = value
 
 
 class _GradCall(_Call):
@@ -283,8 +291,7 @@ class _EarlyCommits:
         leaf = node.variable
         with grad_lock, enable_grad():
             before = leaf._grad
-            _add_to_grad(leaf, grad, self.create_graph)
-            after = leaf._grad
+            leaf._grad = after = _added_to_grad(leaf, grad, self.create_graph)
         with self._lock:
             self._done.append((leaf, before, after))
         for _, hook in hooks.post_accumulate:
@@ -298,10 +305,19 @@ class _EarlyCommits:
         restore the value exactly in floating point (nor undo a ``.grad`` a hook set), so
         a failed or cancelled backward is all-or-nothing only for leaves nobody else
         committed to meanwhile (docs/async.md)."""
-        with grad_lock, self._lock:
+        with grad_lock, self._lock, deferred_interrupts():  # all restored, or none
             for leaf, before, after in reversed(self._done):
                 if leaf._grad is after:  # else another backward has added to it since
                     leaf._grad = before
+
+
+def _receivers(kept: dict[Edge, Grad],
+               receivers: dict[Edge, Tensor]) -> Iterator[tuple[Tensor, Grad]]:
+    """Each kept gradient with the tensor whose ``.grad`` it goes to (if any)."""
+    for edge, grad in kept.items():
+        tensor = _receiver(edge, receivers)
+        if tensor is not None:
+            yield tensor, grad
 
 
 def _receiver(edge: Edge, receivers: dict[Edge, Tensor]) -> Tensor | None:
@@ -395,18 +411,18 @@ def _root_grad(i: int, root: Tensor, grad: Any, create_graph: bool) -> Grad:
     return array
 
 
-def _add_to_grad(tensor: Tensor, grad: Grad, create_graph: bool) -> None:
-    """Add a gathered gradient to ``tensor.grad``, never in place.
+def _added_to_grad(tensor: Tensor, grad: Grad, create_graph: bool) -> Tensor:
+    """The new ``tensor.grad``: a gathered gradient added to it, never in place (the
+    caller assigns it).
 
     A new ``.grad`` is a copy, so it never shares memory with a gradient that the
     caller, another leaf or the graph still holds. With ``create_graph`` the copy and
     the sum are recorded, so ``.grad`` can be differentiated. The caller holds
-    ``grad_lock`` and has grad mode enabled.
+    ``grad_lock`` (until it has assigned the result) and has grad mode enabled.
     """
     old = tensor._grad
     if create_graph:
-        tensor._grad = copy(grad) if old is None else accumulate(old, False, copy(grad))[0]
-    elif old is None:
-        tensor._grad = Tensor._make(np.array(grad), device=tensor.device)
-    else:
-        tensor._grad = Tensor._make(accumulate(old.data, False, grad)[0], device=tensor.device)
+        return copy(grad) if old is None else accumulate(old, False, copy(grad))[0]
+    if old is None:
+        return Tensor._make(np.array(grad), device=tensor.device)
+    return Tensor._make(accumulate(old.data, False, grad)[0], device=tensor.device)

@@ -13,6 +13,7 @@ import pytest
 
 import pargrad
 from pargrad import Tensor
+from tests.interrupting import SigintAt, code_objects
 
 WAIT = 30  # seconds: a generous bound on anything these tests wait for
 
@@ -221,3 +222,46 @@ def test_dtype_mixes_raise_or_keep_the_gradient() -> None:
         assert x.grad.dtype == leaf_dtype
 
     check()
+
+
+# ----- the commit of .grad is atomic under KeyboardInterrupt -----
+
+# The code objects a SIGINT is injected into, at every point where a signal can land
+# (tests/interrupting.py; by name, so the test can be pointed at a rewritten commit).
+COMMIT_CODE = [("pargrad.autograd", "_BackwardCall.commit"),
+               ("pargrad.autograd", "_added_to_grad"),
+               ("pargrad.autograd", "_add_to_grad"),  # b359260's name for it
+               ("pargrad.autograd", "_receivers")]
+
+
+def test_commit_is_all_or_nothing_under_sigint_at_every_bytecode() -> None:
+    import sys
+
+    codes = code_objects(COMMIT_CODE)
+    assert codes
+    leaves = [leaf(np.full(3, float(i))) for i in range(6)]
+    for t in leaves:
+        t.grad = pargrad.tensor(np.zeros(3))
+    engine = pargrad.SequentialEngine()  # the commit is the engine's caller's
+    outcomes = {"all": 0, "none": 0}
+    n = 0
+    while True:
+        n += 1
+        before = [t.grad for t in leaves]
+        loss = sum(((t * t).sum() for t in leaves[1:]), (leaves[0] * 2).sum())
+        tracer = SigintAt(codes, n)
+        sys.settrace(tracer)
+        interrupted = False
+        try:
+            pargrad.backward(loss, engine=engine)
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            sys.settrace(None)
+        changed = [t.grad is not b for t, b in zip(leaves, before)]
+        assert all(changed) or not any(changed), f"partial commit at {tracer.where}: {changed}"
+        if not tracer.fired:
+            break  # past the last bytecode of the commit
+        assert interrupted, f"the SIGINT at {tracer.where} was lost"
+        outcomes["all" if all(changed) else "none"] += 1
+    assert n > 20 and outcomes["all"] and outcomes["none"], (n, outcomes)
