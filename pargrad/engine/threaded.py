@@ -84,6 +84,12 @@ ENGINE_HINT = "; set PARGRAD_ENGINE=sequential to rerun on the reference engine"
 _local = threading.local()
 
 
+# Guards _engines: every ThreadedEngine alive (weakly), for the fork handlers
+# (pargrad/fork.py), which reset their pools in a child process.
+_engines_lock = threading.Lock()
+_engines: weakref.WeakSet[ThreadedEngine] = weakref.WeakSet()
+
+
 def default_workers() -> int:
     """Workers per device by default: one less than the cores, since the thread that
     calls backward works too (at least one, so that nobody waiting still finishes)."""
@@ -169,6 +175,16 @@ class _Pool:
         with self._lock:
             queues = list(self._queues.values())
         return sum(q.waits for q in queues)
+
+    def after_fork_in_child(self) -> None:
+        """In a child process just forked (pargrad/fork.py): the workers, helpers and
+        the backward calls in flight were the parent's threads and are gone. Forget them
+        (the queues too, with what was on them: their futures are failed by the fork
+        handler), so that workers start afresh on first use; ``_lock`` is made anew,
+        since a parent thread may have held it."""
+        self.all_tasks_done._at_fork_reinit()  # type: ignore[attr-defined]  # and _lock
+        self._queues, self._threads, self._helpers = {}, [], []
+        self._active = 0
 
     def shutdown(self, wait: bool) -> None:
         """Refuse new backward calls; the ones in flight still finish, and the workers
@@ -621,6 +637,8 @@ class ThreadedEngine(Engine):
         self.handoff_threshold = _check_count(handoff_threshold, "handoff_threshold")
         self.limit_blas = bool(limit_blas)
         weakref.finalize(self, self._pool.shutdown, False)
+        with _engines_lock:
+            _engines.add(self)
 
     def __repr__(self) -> str:
         return (f"ThreadedEngine(workers={self._pool.workers(CPU)}, "
@@ -819,6 +837,14 @@ class ThreadedEngine(Engine):
                 "shutdown(wait=False) there, or shut down from outside the callback"
             )
         self._pool.shutdown(wait)
+
+    def _after_fork_in_child(self) -> None:
+        """Make this engine usable in a child process just forked (pargrad/fork.py):
+        a fresh pool state, and the locks a parent thread may have held made anew."""
+        self._pool.after_fork_in_child()
+        self._counters._lock._at_fork_reinit()  # type: ignore[attr-defined]
+        if self.trace is not None:
+            self.trace._lock._at_fork_reinit()  # type: ignore[attr-defined]
 
     def __enter__(self) -> ThreadedEngine:
         return self
