@@ -10,9 +10,12 @@ eval loop checks for pending work: on entry to a function, at a loop's back edge
 (``JUMP_BACKWARD``), and right after a call returns (``CALL``, ``CALL_FUNCTION_EX``);
 a blocking call that is interrupted (a lock's acquire, ``Event.wait``) raises from that
 call, i.e. at the same point. Those are the bytecode boundaries where a Ctrl-C can land,
-so they are the ones injected into; ``every_bytecode=True`` injects at every bytecode
-instead, which is stronger than any signal (there, even ``with lock:`` can leak the
-lock: its normal exit is not covered by the exception table in 3.11; bpo-29988).
+so they are the ones injected into. ``every_bytecode=True`` injects at every bytecode
+instead, which is stronger than any signal and raises where nothing but a trace
+function can: CPython 3.11 leaves the ``NOP`` of a ``try:`` line and the normal exit of
+a ``with`` block (its ``LOAD_CONST None`` x3 before the ``__exit__`` call) out of the
+exception table, so an exception injected there skips the handler, and even
+``with lock:`` leaks the lock (bpo-29988). The engine's tests use signal points.
 """
 
 from __future__ import annotations

@@ -48,11 +48,16 @@ def child_work() -> int:
 def wait_child(pid: int) -> int | None:
     """The child's exit status, or None if it did not exit in time (then it is killed)."""
     deadline = time.monotonic() + CHILD_DEADLINE
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.002)
+    try:
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return os.waitstatus_to_exitcode(status)
+            time.sleep(0.002)
+    except BaseException:  # the test itself timed out: leave no child behind
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     return None

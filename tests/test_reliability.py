@@ -112,8 +112,8 @@ def test_engine_must_be_an_engine() -> None:
     assert x.grad is None
 
 
-@pytest.mark.parametrize("bad", ["many", 0, -3, 2.5, True, None])
-def test_handoff_threshold_must_be_a_positive_int(bad: Any) -> None:
+@pytest.mark.parametrize("bad", ["many", -3, 2.5, True, None])
+def test_handoff_threshold_must_be_a_non_negative_int(bad: Any) -> None:
     with pytest.raises(ValueError, match="handoff_threshold"):
         pargrad.ThreadedEngine(handoff_threshold=bad)
 
@@ -211,7 +211,6 @@ def test_dtype_mixes_raise_or_keep_the_gradient() -> None:
             kind = np.asarray(c).dtype.kind
             assert kind in "cOSU", f"{op} refused a {np.asarray(c).dtype} constant"
             return
-        assert np.asarray(c).dtype.kind not in "cOSU", f"{op} took {np.asarray(c).dtype}"
         assert out.requires_grad and out.dtype.kind == "f", (op, out.dtype)
         out.sum().backward()
         expected = {"add": 1.0, "radd": 1.0, "subtract": 1.0, "where": 1.0,

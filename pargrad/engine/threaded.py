@@ -66,6 +66,15 @@ from pargrad.engine.trace import Counters, Log, Statistics, Trace, now, recordin
 from pargrad.futures import BackwardFuture
 from pargrad.grad_mode import _set_enabled, is_grad_enabled
 from pargrad.graph import BackwardError, Edge, Grad, Node
+from pargrad.interrupts import (
+    HELD,
+    NODE,
+    POLL,
+    Gate,
+    current_gate,
+    deferred_interrupts,
+    gate_installed,
+)
 
 MAX_REENTRANT_DEPTH = 32
 """Nested backward calls one thread runs on its own stack before handing off to a helper."""
@@ -215,9 +224,10 @@ def _worker_counts(workers: int | Mapping[str | Device, int] | None) -> dict[Dev
     return {None: _check_count(workers, "workers")}
 
 
-def _check_count(count: object, what: str) -> int:
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ValueError(f"ThreadedEngine: {what} must be a positive integer, got {count!r}")
+def _check_count(count: object, what: str, minimum: int = 1) -> int:
+    if isinstance(count, bool) or not isinstance(count, int) or count < minimum:
+        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"ThreadedEngine: {what} must be {kind}, got {count!r}")
     return count
 
 
@@ -290,8 +300,12 @@ def _process(task: GraphTask, local: Local, on: Device, *, reraise: bool,
     engines.append(engine)
     cancelled, deliver, retain = task.cancelled, task.deliver, task.retain_graph
     deterministic, sinks, wanted = task.deterministic, task.sinks, task.wanted
+    gate = current_gate()  # Ctrl-C raises inside a node; elsewhere here, at the loop's top
+    gate_mode, gate.mode = gate.mode, HELD
     try:
         while local:
+            if gate.pending is not None:  # a Ctrl-C came during bookkeeping: now it lands
+                _interrupted(task, local, gate, owner)
             if until is not None and time.monotonic() >= until:
                 _requeue(engine, task, local)
                 return
@@ -304,6 +318,7 @@ def _process(task: GraphTask, local: Local, on: Device, *, reraise: bool,
                     counts.handed_off += 1
                 start = 0.0
                 try:
+                    gate.mode = NODE  # first in the try: a Ctrl-C from here on is caught
                     if node._hooks is not None or (wanted and node in wanted):
                         inputs = task.prepare(node, inputs)
                     gated = node.calls_blas
@@ -333,14 +348,10 @@ def _process(task: GraphTask, local: Local, on: Device, *, reraise: bool,
                             else:
                                 ready.append((next_node, got))
                     del outputs
+                    gate.mode = HELD  # last in the try
                 except BaseException as exc:
-                    if isinstance(exc, Exception) or task is owner or owner is None:
-                        task.fail(exc, node)
-                    else:
-                        other = BackwardError(node.name(), f"interrupted by {exc!r} in "
-                                                           f"{threading.current_thread().name}")
-                        other.__cause__ = exc
-                        task.fail(other, node)
+                    gate.mode = HELD  # first in the handler
+                    _fail(task, exc, node, owner)
                     if reraise and not isinstance(exc, Exception):
                         interrupt = exc
                 if records is not None:
@@ -358,10 +369,45 @@ def _process(task: GraphTask, local: Local, on: Device, *, reraise: bool,
             elif runnable:
                 _schedule(engine, task, runnable, on, local)
     finally:
+        gate.mode = gate_mode
         engines.pop()
         _set_enabled(previous_mode)
         anomaly.set_mode(previous_anomaly)
         running.pop()
+
+
+def _fail(task: GraphTask, exc: BaseException, node: Node | None,
+          owner: GraphTask | None) -> None:
+    """Record what a node of ``task`` (or this thread's bookkeeping for it) raised. An
+    interrupt of the backward this thread waits for (``owner``) cancels it: nothing is
+    committed, and a future of it is cancelled (whichever line the Ctrl-C landed on). An
+    interrupt while running another caller's node fails that backward with a
+    BackwardError saying so."""
+    if isinstance(exc, Exception) or owner is None:
+        task.fail(exc, node)
+    elif task is owner:
+        task.cancel()
+        task.fail(exc, node)
+    else:
+        name = node.name() if node is not None else "backward"
+        other = BackwardError(name, f"interrupted by {exc!r} in "
+                                    f"{threading.current_thread().name}")
+        other.__cause__ = exc
+        task.fail(other, node)
+
+
+def _interrupted(task: GraphTask, local: Local, gate: Gate, owner: GraphTask | None) -> None:
+    """Raise a Ctrl-C that the gate deferred, at the top of ``_process``'s loop, where the
+    nodes counted and not finished are exactly those on ``local``: fail ``task`` as an
+    interrupt in a node would, finish them (skipped), then raise."""
+    try:
+        gate.raise_pending()
+    except BaseException as exc:
+        _fail(task, exc, None, owner)
+        for _ in range(len(local)):
+            task.finish([])
+        local.clear()
+        raise
 
 
 def _requeue(engine: ThreadedEngine, task: GraphTask, local: Local) -> None:
@@ -471,12 +517,50 @@ def _drive(task: GraphTask, ready: list[Ready], on: Device, queue: ReadyQueue[No
     del ready
     if local:
         _process(task, local, on, reraise=reraise, owner=task)
+    gate = current_gate()
+    stop = task.done if gate.previous is None else _Stop(task.done, gate)
     while True:
-        item = queue.get(stop=task.done)
+        item = _get(queue, stop, gate)
         if item is None:  # the task is done: queues close only when no task is in flight
             return
         _process_item(item, on, reraise=reraise, owner=task)
         del item
+
+
+class _Stop(threading.Event):
+    """The ``stop`` of a ReadyQueue wait on a thread with an installed Gate: set when the
+    task is done, or when a Ctrl-C came."""
+
+    def __init__(self, done: threading.Event, gate: Gate) -> None:
+        super().__init__()
+        self._done, self._gate = done, gate
+
+    def is_set(self) -> bool:
+        return self._done.is_set() or self._gate.pending is not None
+
+
+def _get(queue: ReadyQueue[NodeTask], stop: threading.Event, gate: Gate,
+         timeout: float | None = None) -> NodeTask | None:
+    """``queue.get``; on a thread with an installed Gate, a Ctrl-C is deferred while it
+    waits (polling every ``POLL`` s) and raised here once the item taken, if any, is back
+    on its queue: no node is lost between the queue and the thread."""
+    if gate.previous is None:
+        return queue.get(stop=stop, timeout=timeout)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    item = None
+    mode, gate.mode = gate.mode, HELD
+    while item is None and not stop.is_set():
+        left = POLL if deadline is None else min(POLL, deadline - time.monotonic())
+        if left <= 0:
+            break
+        item = queue.get(stop=stop, timeout=left)
+    gate.mode = mode
+    if gate.pending is not None:
+        if item is not None:
+            assert item.inputs is not None
+            queue.put(item, item.task.depth, item.node.sequence_nr)
+        gate.raise_pending()
+    return item
 
 
 def _help(task: GraphTask, ready: list[Ready], on: Device, queue: ReadyQueue[NodeTask],
@@ -560,14 +644,20 @@ class _AsyncWork:
             self._helping[queue] = self._helping.get(queue, 0) + 1
         _local.depth = depth + 1
         try:
-            while not task.done.is_set():
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return
-                item = queue.get(stop=task.done, timeout=left)
-                if item is not None:
-                    _process_item(item, on, reraise=True, owner=task, until=deadline)
-                    del item
+            with gate_installed() as gate:
+                stop = task.done if gate.previous is None else _Stop(task.done, gate)
+                while not task.done.is_set():
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return
+                    item = _get(queue, stop, gate, left)
+                    if item is not None:
+                        _process_item(item, on, reraise=True, owner=task, until=deadline)
+                        del item
+        except BaseException as exc:  # Ctrl-C in result(): the backward is cancelled
+            if not isinstance(exc, Exception):
+                task.cancel()
+            raise
         finally:
             _local.depth = depth
             with self._lock:
@@ -634,7 +724,8 @@ class ThreadedEngine(Engine):
         self.trace = Trace() if trace else None
         self._counters = Counters()
         self.deterministic = bool(deterministic)
-        self.handoff_threshold = _check_count(handoff_threshold, "handoff_threshold")
+        self.handoff_threshold = _check_count(handoff_threshold, "handoff_threshold",
+                                              minimum=0)  # 0: hand off every node
         self.limit_blas = bool(limit_blas)
         weakref.finalize(self, self._pool.shutdown, False)
         with _engines_lock:
@@ -691,9 +782,25 @@ class ThreadedEngine(Engine):
             if threading.current_thread() is not caller:
                 queue.wake_all()
 
-        task, ready = self._begin(roots, grads, retain_graph=retain_graph,
-                                  create_graph=create_graph, inputs=inputs, on_kept=on_kept,
-                                  parent=parent, nested=parent is not None, on_done=on_done)
+        # A Ctrl-C from here until _drive's loop is deferred to that loop's first safe
+        # point (interrupts.Gate), so the roots _begin counts are always finished.
+        with gate_installed():
+            task, ready = self._begin(roots, grads, retain_graph=retain_graph,
+                                      create_graph=create_graph, inputs=inputs,
+                                      on_kept=on_kept, parent=parent,
+                                      nested=parent is not None, on_done=on_done)
+            self._drive_call(task, ready, parent, on, queue)
+        error = task.error
+        self._counters.task_ended(failed=error is not None)
+        if error is not None:
+            raise _with_hint(error)
+        return task.captured()
+
+    def _drive_call(self, task: GraphTask, ready: list[Ready], parent: GraphTask | None,
+                    on: Device, queue: ReadyQueue[NodeTask]) -> None:
+        """The calling thread's part of ``execute``: run ``task`` until it is over; an
+        interrupt (or any BaseException) cancels it and is raised again at once."""
+        pool = self._pool
         depth = getattr(_local, "depth", 0)
         outermost = parent is None and getattr(_local, "pool", None) is None
         limited = False
@@ -703,7 +810,12 @@ class ThreadedEngine(Engine):
                 limited = True
             if depth >= MAX_REENTRANT_DEPTH:
                 pool.start_helper(task, ready, on, queue, f"pargrad-{on}-reentrant")
-                task.done.wait()
+                gate = current_gate()
+                gate.mode = NODE  # a blocking wait that holds nothing: Ctrl-C raises here
+                try:
+                    task.done.wait()
+                finally:
+                    gate.mode = HELD
             else:
                 _local.depth = depth + 1
                 try:
@@ -717,11 +829,6 @@ class ThreadedEngine(Engine):
         finally:
             if limited:
                 blas.restore()
-        error = task.error
-        self._counters.task_ended(failed=error is not None)
-        if error is not None:
-            raise _with_hint(error)
-        return task.captured()
 
     def execute_async(
         self,
@@ -769,18 +876,27 @@ class ThreadedEngine(Engine):
                 pool.task_done()  # last: shutdown(wait=True) returns after the future resolved
 
         # Not a reentrant backward even when a node starts it: that node does not wait.
-        task, ready = self._begin(roots, grads, retain_graph=retain_graph,
-                                  create_graph=create_graph, inputs=inputs, on_kept=on_kept,
-                                  parent=None, nested=_current_task() is not None,
-                                  on_done=on_done, work=work)
-        if task.done.is_set():  # nothing to run (every root a sink), or start failed
-            return future
-        if task.serial:  # every node on one thread, in the reference's order
-            pool.start_helper(task, ready, on, queue, f"pargrad-{on}-async")
-        else:
-            for node, gathered in ready:
-                pool.queue(node.device).put(NodeTask(task, node, gathered), task.depth,
-                                            node.sequence_nr)
+        # Ctrl-C is deferred until every counted root has reached a thread; if it came,
+        # the backward is cancelled (it commits nothing) and the interrupt raised here.
+        try:
+            with deferred_interrupts():
+                task, ready = self._begin(roots, grads, retain_graph=retain_graph,
+                                          create_graph=create_graph, inputs=inputs,
+                                          on_kept=on_kept, parent=None,
+                                          nested=_current_task() is not None,
+                                          on_done=on_done, work=work)
+                if task.done.is_set():  # nothing to run (every root a sink), or start failed
+                    return future
+                if task.serial:  # every node on one thread, in the reference's order
+                    pool.start_helper(task, ready, on, queue, f"pargrad-{on}-async")
+                else:
+                    for node, gathered in ready:
+                        pool.queue(node.device).put(NodeTask(task, node, gathered),
+                                                    task.depth, node.sequence_nr)
+        except BaseException as exc:
+            if not isinstance(exc, Exception) and work.task is not None:
+                work.task.cancel()
+            raise
         return future
 
     def _begin(self, roots: Sequence[Edge], grads: Sequence[Grad], *, retain_graph: bool,
