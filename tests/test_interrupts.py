@@ -10,6 +10,7 @@ point. Point it at a rewritten loop by editing ``LOOP_CODE``."""
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import signal
 import sys
 import threading
@@ -249,3 +250,19 @@ def test_ctrl_c_in_result_cancels_and_commits_nothing(where: str) -> None:
         assert future.cancelled(), future.exception()
         assert all(x.grad is None for x in xs)
         assert took < BOUND
+
+
+# ----- random Ctrl-C: the quick version of tests/stress_sigint.py -----
+
+@pytest.mark.parametrize("interrupts", [
+    30,
+    pytest.param(300, marks=[pytest.mark.timeout(1200), pytest.mark.skipif(
+        not os.environ.get("PARGRAD_STRESS"), reason="set PARGRAD_STRESS=1 (slow)")]),
+])
+def test_random_sigint_two_callers_no_hang_no_partial_commit(interrupts: int) -> None:
+    from tests.stress_sigint import run
+
+    tally = run(interrupts, watchdog=False)  # pytest-timeout bounds it here
+    assert tally.interrupts == interrupts
+    assert tally.partial == 0 and tally.wrong == 0, tally
+    assert tally.raised_in_backward > 0 and tally.other_calls > 0, tally
