@@ -194,9 +194,10 @@ def test_dtype_mixes_raise_or_keep_the_gradient() -> None:
     """Every binary op of a float leaf with a constant of every dtype (array or scalar):
     either it raises TypeError at the op, or the result is a float Tensor that requires
     grad and carries the gradient (checked by value for the linear ops)."""
-    from hypothesis import given
+    from hypothesis import given, settings
     from hypothesis import strategies as st
 
+    @settings(max_examples=300)
     @given(op=st.sampled_from(sorted(BINARY)), leaf_dtype=st.sampled_from([np.float32, np.float64]),
            const_dtype=st.sampled_from(CONSTANT_DTYPES), as_scalar=st.booleans(),
            shape=st.sampled_from([(), (3,), (2, 3)]))

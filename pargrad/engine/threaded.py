@@ -20,10 +20,16 @@ Guarantees:
   returns only once no thread runs a node of the task any more. No ``.grad`` changes:
   leaf gradients are returned, and ``autograd.backward`` commits them only on success.
 - A ``KeyboardInterrupt`` (or other BaseException) in the calling thread cancels the
-  task and is re-raised at once; workers skip what is left of it.
+  task and is re-raised at once; workers skip what is left of it. On the main thread
+  (the only one Python delivers signals to) an ``interrupts.Gate`` is SIGINT's handler
+  during the call: a Ctrl-C raises at once inside a node's code, and is deferred during
+  the loop's bookkeeping and queue waits (polled every ``interrupts.POLL`` s) to the
+  next safe point, so every node counted in a task is finished exactly once
+  (docs/design.md §10).
 - A waiting caller takes work from its device's shared queue, so it may run nodes of
   other callers' backward calls; an interrupt there fails that backward with a
   BackwardError and reaches only this caller.
+- Ctrl-C in a future's ``result()`` cancels its backward, whichever line it lands on.
 - Reentrant backward (a node that calls backward) does not deadlock: the waiting
   thread keeps running ready work of its device, deepest backward first; past
   ``MAX_REENTRANT_DEPTH`` nested calls on one thread, a helper thread with a fresh stack
