@@ -67,7 +67,10 @@ def _before() -> None:
 
 def _after_in_child() -> None:
     engines = list(threaded._engines)
-    in_flight = [f for f in _futures._in_flight if not f.done()]
+    futures = list(_futures._in_flight)
+    for future in futures:  # before done() takes it: a parent thread may have held it
+        future._condition._at_fork_reinit()  # type: ignore[attr-defined]
+    in_flight = [f for f in futures if not f.done()]
     blas._in_gate = 0  # the parent's BLAS nodes are not running here
     if blas._entered:  # a parent's backward held the BLAS limit: give it back
         blas._entered = 1
@@ -77,9 +80,7 @@ def _after_in_child() -> None:
         _release_locks()
     for engine in engines:
         engine._after_fork_in_child()
-    for future in in_flight:
-        future._condition._at_fork_reinit()  # type: ignore[attr-defined]
-    for future in in_flight:  # callbacks run: every condition is usable first
+    for future in in_flight:  # callbacks run: every condition was made usable first
         future._fail_after_fork()
 
 

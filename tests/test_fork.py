@@ -5,9 +5,11 @@ waited for under a deadline: a hang is a failure, never a hung test run."""
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
 import signal
+import tempfile
 import threading
 import time
 from typing import Any
@@ -63,15 +65,25 @@ def wait_child(pid: int) -> int | None:
     return None
 
 
+HUNG: list[str] = []  # the stacks of hung children, for the failure message
+
+
 def fork_and_run(work: Any) -> int | None:
-    pid = os.fork()
-    if pid == 0:  # the child: never return into pytest
-        code = 1
-        try:
-            code = work()
-        finally:
-            os._exit(code)
-    return wait_child(pid)
+    with tempfile.TemporaryFile("w+") as stacks:
+        pid = os.fork()
+        if pid == 0:  # the child: never return into pytest
+            code = 1
+            try:  # a hung child writes its stacks before the parent kills it
+                faulthandler.dump_traceback_later(CHILD_DEADLINE * 0.75, exit=True,
+                                                  file=stacks)
+                code = work()
+            finally:
+                os._exit(code)
+        code = wait_child(pid)
+        if code is None or code == 1:
+            stacks.seek(0)
+            HUNG.append(stacks.read()[-3000:])
+        return code
 
 
 def busy_parent(stop: threading.Event) -> None:
@@ -100,7 +112,7 @@ def test_fork_while_another_thread_runs_backward_100_times() -> None:
     finally:
         stop.set()
         thread.join(30)
-    assert outcomes == {0: 100}, f"child exit codes (None: hung): {outcomes}"
+    assert outcomes == {0: 100}, f"child exit codes (None: hung): {outcomes}\n{HUNG[:1]}"
 
 
 class Block(pargrad.Function):
@@ -171,3 +183,26 @@ def test_multiprocessing_fork_pool_runs_backward_jobs() -> None:
         result = pool.map_async(pool_job, range(4))
         got = result.get(timeout=CHILD_DEADLINE * 2)
     assert got == [2.0 * k + 2.0 for k in range(4)]
+
+
+def test_fork_while_a_parent_thread_holds_a_future_and_global_locks() -> None:
+    """A parent thread inside a future's condition (resolving it, say) at the moment of
+    the fork: the child's fork handler must not wait for it."""
+    x = leaf([1.0, 2.0])
+    future = pargrad.backward_async((x * x).sum())
+    future.result(timeout=30)
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with future._condition:  # type: ignore[attr-defined]
+            holding.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=hold, daemon=True)
+    thread.start()
+    assert holding.wait(30)
+    try:
+        assert fork_and_run(child_work) == 0, HUNG[-1:]
+    finally:
+        release.set()
+        thread.join(30)
