@@ -234,7 +234,7 @@ COMMIT_CODE = [("pargrad.autograd", "_BackwardCall.commit"),
                ("pargrad.autograd", "_receivers")]
 
 
-def test_commit_is_all_or_nothing_under_sigint_at_every_bytecode() -> None:
+def test_commit_is_all_or_nothing_under_sigint_at_every_signal_point() -> None:
     import sys
 
     codes = code_objects(COMMIT_CODE)
