@@ -51,6 +51,20 @@ class Block(pargrad.Function):
         return g
 
 
+class FailsOnceBlocked(pargrad.Function):
+    """Identity whose backward raises once Block's backward has started (so the error
+    cannot cancel Block before it runs)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> np.ndarray:
+        return x.data.copy()
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> Tensor:
+        assert Block.started.wait(WAIT), "Block never started"
+        raise ValueError("boom")
+
+
 # ----- futures: cancel() returns False only on a resolved future -----
 
 def test_cancel_after_a_node_failed_returns_false_only_once_resolved() -> None:
@@ -62,7 +76,7 @@ def test_cancel_after_a_node_failed_returns_false_only_once_resolved() -> None:
     p, q = leaf([1.0, 2.0]), leaf([3.0, 4.0])
     with pargrad.ThreadedEngine(workers=2, handoff_threshold=1) as engine:
         future = pargrad.backward_async(
-            Fails.apply(p).sum() + Block.apply(q).sum(), engine=engine)
+            FailsOnceBlocked.apply(p).sum() + Block.apply(q).sum(), engine=engine)
         task = cast(Any, future._work).task
         assert Block.started.wait(WAIT)
         deadline = time.monotonic() + WAIT
