@@ -8,6 +8,7 @@
 tensor([5., 7.], dtype=float64)
 """
 
+from pargrad import fork as _fork  # noqa: F401  (registers the os.register_at_fork handlers)
 from pargrad import random, viz
 from pargrad.anomaly import (
     detect_anomaly,

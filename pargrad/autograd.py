@@ -13,7 +13,7 @@ backward then fails, unless another backward has committed into that leaf meanwh
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,6 +23,7 @@ from pargrad.engine.buffer import accumulate
 from pargrad.futures import BackwardFuture
 from pargrad.grad_mode import enable_grad
 from pargrad.graph import AccumulateGrad, BackwardError, Edge, Grad
+from pargrad.interrupts import deferred_interrupts
 from pargrad.ops import copy
 from pargrad.tensor import Tensor, grad_lock
 from pargrad.versions import counter_of
@@ -189,9 +190,12 @@ class _Call:
 
     def _set(self, roots: tuple[Tensor, ...], grads: list[Grad], retain_graph: bool | None,
              create_graph: bool, engine: Engine | None) -> None:
+        if engine is not None and not isinstance(engine, Engine):
+            raise TypeError(f"engine= must be a pargrad Engine (e.g. pargrad.ThreadedEngine()), "
+                            f"got {type(engine).__name__} {engine!r}")
         self.grads = grads
         self.roots = [t._edge() for t in roots]
-        self.retain_graph = create_graph if retain_graph is None else retain_graph
+        self.retain_graph = create_graph if retain_graph is None else bool(retain_graph)
         self.create_graph = create_graph
         self.engine = engine if engine is not None else current_engine()
 
@@ -208,6 +212,7 @@ class _BackwardCall(_Call):
     def __init__(self, tensors: Any, grad_tensors: Any, retain_graph: bool | None,
                  create_graph: bool, inputs: Any, engine: Engine | None,
                  caller: str = "backward") -> None:
+        create_graph = _flags(retain_graph, create_graph, "backward")
         roots = _as_tensors(tensors, "backward")
         grads = _root_grads(roots, grad_tensors, create_graph, caller)
         self.targets = None if inputs is None else _inputs(inputs, "backward")
@@ -220,13 +225,26 @@ class _BackwardCall(_Call):
         return {**self._options(inputs), "on_kept": self.early}
 
     def commit(self, kept: dict[Edge, Grad]) -> None:
-        """Add what the engine kept to ``.grad`` (the whole backward succeeded)."""
+        """Add what the engine kept to ``.grad`` (the whole backward succeeded).
+
+        Atomic, also under Ctrl-C: every new ``.grad`` is computed first (an interrupt
+        there publishes nothing), then published by a loop that only assigns new
+        ``.grad`` tensors or adds into existing ones in place (``_adds_in_place``: no
+        allocation, shapes checked, so it cannot fail midway), with SIGINT deferred to
+        its end (``interrupts.deferred_interrupts``), all under ``grad_lock``, so no
+        thread and no handler sees part of it."""
         receivers = {} if self.targets is None else {t._edge(): t for t in self.targets}
-        with grad_lock, enable_grad():
-            for edge, grad in kept.items():
-                tensor = _receiver(edge, receivers)
-                if tensor is not None:
-                    _add_to_grad(tensor, grad, self.create_graph)
+        with grad_lock:
+            with enable_grad():
+                updates = [(tensor, None, grad) if _adds_in_place(tensor, self.create_graph)
+                           else (tensor, _added_to_grad(tensor, grad, self.create_graph), None)
+                           for tensor, grad in _receivers(kept, receivers)]
+            with deferred_interrupts():
+                for tensor, value, addend in updates:
+                    if value is not None:
+                        tensor._grad = value
+                    else:  # an existing .grad, summed into in place
+                        _add_in_place(tensor._grad, addend)  # type: ignore[arg-type]
 
 
 class _GradCall(_Call):
@@ -235,6 +253,7 @@ class _GradCall(_Call):
     def __init__(self, outputs: Any, inputs: Any, grad_outputs: Any,
                  retain_graph: bool | None, create_graph: bool, allow_unused: bool | None,
                  materialize_grads: bool, engine: Engine | None) -> None:
+        create_graph = _flags(retain_graph, create_graph, "grad")
         if materialize_grads and allow_unused is False:
             raise ValueError("grad: materialize_grads=True needs allow_unused=True (or unset)")
         self.allow_unused = materialize_grads if allow_unused is None else allow_unused
@@ -303,8 +322,7 @@ class _EarlyCommits:
         leaf = node.variable
         with grad_lock, enable_grad():
             before = leaf._grad
-            _add_to_grad(leaf, grad, self.create_graph, in_place=False)
-            after = leaf._grad
+            leaf._grad = after = _added_to_grad(leaf, grad, self.create_graph)
         with self._lock:
             self._done.append((leaf, before, after))
         for _, hook in hooks.post_accumulate:
@@ -325,7 +343,7 @@ class _EarlyCommits:
         restore the value exactly in floating point (nor undo a ``.grad`` a hook set), so
         a failed or cancelled backward is all-or-nothing only for leaves nobody else
         committed to meanwhile (docs/async.md)."""
-        with grad_lock, self._lock:
+        with grad_lock, self._lock, deferred_interrupts():  # all restored, or none
             for leaf, before, after in reversed(self._done):
                 if leaf._grad is after:  # else another backward has added to it since
                     leaf._grad = before
@@ -333,6 +351,15 @@ class _EarlyCommits:
 
 def _as_tensor(grad: Grad, like: Tensor) -> Tensor:
     return grad if isinstance(grad, Tensor) else Tensor._make(grad, device=like.device)
+
+
+def _receivers(kept: dict[Edge, Grad],
+               receivers: dict[Edge, Tensor]) -> Iterator[tuple[Tensor, Grad]]:
+    """Each kept gradient with the tensor whose ``.grad`` it goes to (if any)."""
+    for edge, grad in kept.items():
+        tensor = _receiver(edge, receivers)
+        if tensor is not None:
+            yield tensor, grad
 
 
 def _receiver(edge: Edge, receivers: dict[Edge, Tensor]) -> Tensor | None:
@@ -346,6 +373,17 @@ def _receiver(edge: Edge, receivers: dict[Edge, Tensor]) -> Tensor | None:
     retains = node._hooks.retains if node is not None and node._hooks is not None else {}
     ref = retains.get(output_nr)
     return None if ref is None else ref()
+
+
+def _flags(retain_graph: Any, create_graph: Any, caller: str) -> bool:
+    """Check ``retain_graph`` and ``create_graph`` (a bool, numpy's included, or None);
+    return ``create_graph`` as a bool (None: False). A string such as ``'no'`` would
+    otherwise be taken as True."""
+    for name, value in (("retain_graph", retain_graph), ("create_graph", create_graph)):
+        if value is not None and not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{caller}: {name} must be True, False or None, "
+                            f"got {type(value).__name__} {value!r}")
+    return bool(create_graph)
 
 
 def _as_tensors(tensors: Any, caller: str) -> tuple[Tensor, ...]:
@@ -431,25 +469,34 @@ def _root_grad(i: int, root: Tensor, grad: Any, create_graph: bool, caller: str)
     return array
 
 
-def _add_to_grad(tensor: Tensor, grad: Grad, create_graph: bool, *,
-                 in_place: bool = True) -> None:
-    """Add a gathered gradient to ``tensor.grad``.
+def _added_to_grad(tensor: Tensor, grad: Grad, create_graph: bool) -> Tensor:
+    """The new ``tensor.grad``: a gathered gradient added to it, never in place (the
+    caller assigns it).
 
     A new ``.grad`` is a copy, so it never shares memory with a gradient that the
-    caller, another leaf or the graph still holds. Without ``create_graph`` an existing
-    ``.grad`` (with no graph of its own) is added to in place, as PyTorch does: a
-    reference taken to ``x.grad`` sees the sum, and its version is bumped. With
-    ``create_graph`` the copy and the sum are recorded, out of place, so ``.grad`` can
-    be differentiated. ``in_place=False`` (early commits, which may be undone) always
-    makes a new tensor. The caller holds ``grad_lock`` and has grad mode enabled.
+    caller, another leaf or the graph still holds. With ``create_graph`` the copy and
+    the sum are recorded, so ``.grad`` can be differentiated. The caller holds
+    ``grad_lock`` (until it has assigned the result) and has grad mode enabled.
     """
     old = tensor._grad
     if create_graph:
-        tensor._grad = copy(grad) if old is None else accumulate(old, False, copy(grad))[0]
-    elif old is None:
-        tensor._grad = Tensor._make(np.array(grad), device=tensor.device)
-    elif in_place and old.grad_fn is None and old.data.flags.writeable:
-        np.add(old.data, grad, out=old.data)  # .grad is the leaf's: PyTorch's semantics
-        counter_of(old).bump()
-    else:
-        tensor._grad = Tensor._make(accumulate(old.data, False, grad)[0], device=tensor.device)
+        return copy(grad) if old is None else accumulate(old, False, copy(grad))[0]
+    if old is None:
+        return Tensor._make(np.array(grad), device=tensor.device)
+    return Tensor._make(accumulate(old.data, False, grad)[0], device=tensor.device)
+
+
+def _adds_in_place(tensor: Tensor, create_graph: bool) -> bool:
+    """Whether a commit adds into ``tensor.grad``'s own array, as PyTorch does (a
+    reference taken to ``x.grad`` then sees the sum): an existing ``.grad`` with no
+    graph of its own, whose array may be written, when no graph is recorded."""
+    old = tensor._grad
+    return (not create_graph and old is not None and old.grad_fn is None
+            and old.data.flags.writeable)
+
+
+def _add_in_place(old: Tensor, grad: Grad) -> None:
+    """Add ``grad`` into ``old``'s array (shapes and dtypes checked already: it cannot
+    fail midway) and bump its version, as an in-place op would."""
+    np.add(old.data, grad, out=old.data)
+    counter_of(old).bump()

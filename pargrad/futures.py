@@ -40,11 +40,13 @@ use the base class's private fields (``_condition``, ``_state``, ``_waiters``,
 
 from __future__ import annotations
 
+import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, wait
 from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED, LOGGER
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -65,6 +67,13 @@ class Work(Protocol):
         ready nodes meanwhile."""
 
 
+# Guards _in_flight: the futures of engines' backward calls (weakly), so that a child
+# process just forked can fail those its parent's threads would have resolved
+# (pargrad/fork.py).
+_in_flight_lock = threading.Lock()
+_in_flight: weakref.WeakSet[BackwardFuture[Any]] = weakref.WeakSet()
+
+
 class BackwardFuture(Future[T]):
     """A ``concurrent.futures.Future`` of a backward; see the module doc.
 
@@ -80,6 +89,9 @@ class BackwardFuture(Future[T]):
     def __init__(self, work: Work | None = None) -> None:
         super().__init__()
         self._work = work  # None: resolved by whoever made it, nothing to cancel or help
+        if work is not None:
+            with _in_flight_lock:
+                _in_flight.add(self)
 
     def running(self) -> bool:
         """Whether the backward is still in flight (not resolved)."""
@@ -87,7 +99,9 @@ class BackwardFuture(Future[T]):
 
     def cancel(self) -> bool:
         """Stop the backward if it is in flight; True if the future is (or will be,
-        when called from inside the backward) cancelled, False if it resolved otherwise.
+        when called from inside the backward) cancelled, False if it resolved otherwise
+        (it is then done, with its result or error, except when called from inside a
+        node of this backward, which cannot wait for it).
 
         Blocks until the nodes already running have finished, unless called from inside
         a node or hook of this backward; meanwhile it helps as ``result()`` does, so the
@@ -97,12 +111,14 @@ class BackwardFuture(Future[T]):
         work = self._work
         if work is None or self.done():
             return super().cancel()
-        if not work.cancel():
-            return False  # over: it resolves with its result or error
+        cancelled = work.cancel()  # False: it completed, or a node's error came first
         if not work.inside():
+            # Either way, return only once the future is resolved: a False must mean
+            # "resolved otherwise", never "still pending" (a node that failed first does
+            # not make the backward over: nodes already running still finish).
             work.wait(None)  # help until the task is over (its skipped nodes drained)
             wait([self])  # then until the thread that finished it has resolved it
-        return True
+        return cancelled
 
     def result(self, timeout: float | None = None) -> T:
         """The backward's result; blocks until it is over (at most ``timeout`` s).
@@ -131,6 +147,20 @@ class BackwardFuture(Future[T]):
         start = time.monotonic()
         work.wait(timeout)
         return None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+
+    def _fail_after_fork(self) -> None:
+        """In a child process just forked: this future's backward ran on the parent's
+        threads, which the child does not have, so it can never finish here. Resolve it
+        with a RuntimeError that says so (its done-callbacks run now), unless done.
+        The caller has made its condition anew (``_condition._at_fork_reinit()``), and
+        that of every future its callbacks may resolve: a parent thread may have held
+        one."""
+        self._waiters.clear()  # the parent's threads
+        if not self.done():
+            self.set_exception(RuntimeError(
+                "this backward was in flight in the parent process when it forked; its "
+                "threads do not exist in the child, so it cannot finish here: run the "
+                "backward again in the child (the engine is usable there)"))
 
     # ----- for engines -----
     def _set_cancelled(self) -> None:

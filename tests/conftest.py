@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -65,3 +67,63 @@ def canonical_engine(request: pytest.FixtureRequest) -> Iterator[pargrad.Engine]
 def in_order_engine(request: pytest.FixtureRequest) -> Iterator[pargrad.Engine]:
     """Like ``engine``, over the engines that run nodes in reverse creation order."""
     yield from _use(request.param)
+
+
+# ----- race rounds: the concurrency tests again, under a tiny switch interval -----
+# Every test of these files is run again RACE_ROUNDS times with
+# sys.setswitchinterval(1e-6) (the interpreter switches threads about every bytecode, so
+# interleavings that are rare at the default 5 ms happen), after the whole suite, round by
+# round (round 1 of every test before round 2 of any), within a time budget: a round's
+# copy is skipped once PARGRAD_RACE_BUDGET seconds (default 100; 0 turns the rounds off)
+# have gone to race rounds, or if its test took over RACE_SLOW s in the normal run.
+RACE_FILES = {"test_async.py", "test_concurrency.py", "test_threaded.py",
+              "test_engine_lifecycle.py", "test_blas_gate.py", "test_reliability.py"}
+RACE_ROUNDS = 10
+RACE_SLOW = 1.0
+_race_round = pytest.StashKey[int]()
+_race_spent = [0.0]
+_normal_took: dict[str, float] = {}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if float(os.environ.get("PARGRAD_RACE_BUDGET", "100")) <= 0:
+        return
+    rounds: list[list[pytest.Item]] = [[] for _ in range(RACE_ROUNDS)]
+    for item in items:
+        if not isinstance(item, pytest.Function) or item.path.name not in RACE_FILES:
+            continue
+        for k in range(1, RACE_ROUNDS + 1):
+            copy = pytest.Function.from_parent(
+                item.parent, name=f"{item.name}@race{k}",
+                callspec=getattr(item, "callspec", None), callobj=item.obj,
+                keywords=item.keywords, fixtureinfo=item._fixtureinfo,
+                originalname=item.originalname)
+            copy.stash[_race_round] = k
+            rounds[k - 1].append(copy)
+    for copies in rounds:
+        items.extend(copies)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    k = item.stash.get(_race_round, 0)
+    if not k:
+        start = time.monotonic()
+        try:
+            return (yield)
+        finally:
+            _normal_took[item.nodeid] = time.monotonic() - start
+    normal = item.nodeid.replace(f"@race{k}", "")
+    budget = float(os.environ.get("PARGRAD_RACE_BUDGET", "100"))
+    if _normal_took.get(normal, RACE_SLOW + 1) > RACE_SLOW:
+        pytest.skip("race round: the test is too slow for the race budget (or did not run)")
+    if _race_spent[0] >= budget:
+        pytest.skip(f"race rounds: the {budget:.0f} s budget is spent")
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    start = time.monotonic()
+    try:
+        return (yield)
+    finally:
+        sys.setswitchinterval(previous)
+        _race_spent[0] += time.monotonic() - start

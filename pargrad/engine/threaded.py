@@ -20,10 +20,16 @@ Guarantees:
   returns only once no thread runs a node of the task any more. No ``.grad`` changes:
   leaf gradients are returned, and ``autograd.backward`` commits them only on success.
 - A ``KeyboardInterrupt`` (or other BaseException) in the calling thread cancels the
-  task and is re-raised at once; workers skip what is left of it.
+  task and is re-raised at once; workers skip what is left of it. On the main thread
+  (the only one Python delivers signals to) an ``interrupts.Gate`` is SIGINT's handler
+  during the call: a Ctrl-C raises at once inside a node's code, and is deferred during
+  the loop's bookkeeping and queue waits (polled every ``interrupts.POLL`` s) to the
+  next safe point, so every node counted in a task is finished exactly once
+  (docs/design.md §10).
 - A waiting caller takes work from its device's shared queue, so it may run nodes of
   other callers' backward calls; an interrupt there fails that backward with a
   BackwardError and reaches only this caller.
+- Ctrl-C in a future's ``result()`` cancels its backward, whichever line it lands on.
 - Reentrant backward (a node that calls backward) does not deadlock: the waiting
   thread keeps running ready work of its device, deepest backward first; past
   ``MAX_REENTRANT_DEPTH`` nested calls on one thread, a helper thread with a fresh stack
@@ -60,12 +66,21 @@ from pargrad.devices import CPU, Device, available_cores, device
 from pargrad.engine import blas
 from pargrad.engine.base import Engine, _engine_stack
 from pargrad.engine.graph_task import GraphTask, InlineRun, NodeTask, Ready, counting
-from pargrad.engine.ready_queue import ReadyQueue
+from pargrad.engine.ready_queue import Flag, ReadyQueue
 from pargrad.engine.sequential import run_graph
 from pargrad.engine.trace import Counters, Log, Statistics, Trace, now, recording
 from pargrad.futures import BackwardFuture
 from pargrad.grad_mode import _set_enabled, is_grad_enabled
 from pargrad.graph import BackwardError, Dependencies, Edge, Grad, Kept, Node
+from pargrad.interrupts import (
+    HELD,
+    NODE,
+    POLL,
+    Gate,
+    current_gate,
+    deferred_interrupts,
+    gate_installed,
+)
 
 MAX_REENTRANT_DEPTH = 32
 """Nested backward calls one thread runs on its own stack before handing off to a helper."""
@@ -97,6 +112,12 @@ class _ThreadState(threading.local):
 
 
 _local = _ThreadState()
+
+
+# Guards _engines: every ThreadedEngine alive (weakly), for the fork handlers
+# (pargrad/fork.py), which reset their pools in a child process.
+_engines_lock = threading.Lock()
+_engines: weakref.WeakSet[ThreadedEngine] = weakref.WeakSet()
 
 
 def default_workers() -> int:
@@ -185,6 +206,16 @@ class _Pool:
             queues = list(self._queues.values())
         return sum(q.waits for q in queues)
 
+    def after_fork_in_child(self) -> None:
+        """In a child process just forked (pargrad/fork.py): the workers, helpers and
+        the backward calls in flight were the parent's threads and are gone. Forget them
+        (the queues too, with what was on them: their futures are failed by the fork
+        handler), so that workers start afresh on first use; ``_lock`` is made anew,
+        since a parent thread may have held it."""
+        self.all_tasks_done._at_fork_reinit()  # type: ignore[attr-defined]  # and _lock
+        self._queues, self._threads, self._helpers = {}, [], []
+        self._active = 0
+
     def shutdown(self, wait: bool) -> None:
         """Refuse new backward calls; the ones in flight still finish, and the workers
         exit after them. With ``wait``, block until then and join the workers.
@@ -214,9 +245,10 @@ def _worker_counts(workers: int | Mapping[str | Device, int] | None) -> dict[Dev
     return {None: _check_count(workers, "workers")}
 
 
-def _check_count(count: object, what: str) -> int:
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ValueError(f"ThreadedEngine: {what} must be a positive integer, got {count!r}")
+def _check_count(count: object, what: str, minimum: int = 1) -> int:
+    if isinstance(count, bool) or not isinstance(count, int) or count < minimum:
+        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"ThreadedEngine: {what} must be {kind}, got {count!r}")
     return count
 
 
@@ -278,8 +310,12 @@ def _process(task: GraphTask, local: Local, on: Device, *, reraise: bool,
     engines.append(engine)
     deliver, retain = task.deliver, task.retain_graph
     deterministic, sinks, wanted = task.deterministic, task.sinks, task.wanted
+    gate = current_gate()  # Ctrl-C raises inside a node; elsewhere here, at the loop's top
+    gate_mode, gate.mode = gate.mode, HELD
     try:
         while local:
+            if gate.pending is not None:  # a Ctrl-C came during bookkeeping: now it lands
+                _interrupted(task, local, gate, owner)
             if until is not None and time.monotonic() >= until:
                 _requeue(engine, task, local)
                 return
@@ -292,6 +328,7 @@ def _process(task: GraphTask, local: Local, on: Device, *, reraise: bool,
                     counts.handed_off += 1
                 start = 0.0
                 try:
+                    gate.mode = NODE  # first in the try: a Ctrl-C from here on is caught
                     if node._hooks is not None or (wanted and node in wanted):
                         inputs = task.prepare(node, inputs)
                     gated = node.calls_blas
@@ -321,14 +358,10 @@ def _process(task: GraphTask, local: Local, on: Device, *, reraise: bool,
                             else:
                                 ready.append((next_node, got))
                     del outputs
+                    gate.mode = HELD  # last in the try
                 except BaseException as exc:
-                    if isinstance(exc, Exception) or task is owner or owner is None:
-                        task.fail(exc, node)
-                    else:
-                        other = BackwardError(node.name(), f"interrupted by {exc!r} in "
-                                                           f"{threading.current_thread().name}")
-                        other.__cause__ = exc
-                        task.fail(other, node)
+                    gate.mode = HELD  # first in the handler
+                    _fail(task, exc, node, owner)
                     if reraise and not isinstance(exc, Exception):
                         interrupt = exc
                 if records is not None:
@@ -346,10 +379,45 @@ def _process(task: GraphTask, local: Local, on: Device, *, reraise: bool,
             elif runnable:
                 _schedule(engine, task, runnable, on, local)
     finally:
+        gate.mode = gate_mode
         engines.pop()
         _set_enabled(previous_mode)
         anomaly.set_mode(previous_anomaly)
         running.pop()
+
+
+def _fail(task: GraphTask, exc: BaseException, node: Node | None,
+          owner: GraphTask | None) -> None:
+    """Record what a node of ``task`` (or this thread's bookkeeping for it) raised. An
+    interrupt of the backward this thread waits for (``owner``) cancels it: nothing is
+    committed, and a future of it is cancelled (whichever line the Ctrl-C landed on). An
+    interrupt while running another caller's node fails that backward with a
+    BackwardError saying so."""
+    if isinstance(exc, Exception) or owner is None:
+        task.fail(exc, node)
+    elif task is owner:
+        task.cancel()
+        task.fail(exc, node)
+    else:
+        name = node.name() if node is not None else "backward"
+        other = BackwardError(name, f"interrupted by {exc!r} in "
+                                    f"{threading.current_thread().name}")
+        other.__cause__ = exc
+        task.fail(other, node)
+
+
+def _interrupted(task: GraphTask, local: Local, gate: Gate, owner: GraphTask | None) -> None:
+    """Raise a Ctrl-C that the gate deferred, at the top of ``_process``'s loop, where the
+    nodes counted and not finished are exactly those on ``local``: fail ``task`` as an
+    interrupt in a node would, finish them (skipped), then raise."""
+    try:
+        gate.raise_pending()
+    except BaseException as exc:
+        _fail(task, exc, None, owner)
+        for _ in range(len(local)):
+            task.finish([])
+        local.clear()
+        raise
 
 
 def _requeue(engine: ThreadedEngine, task: GraphTask, local: Local) -> None:
@@ -477,12 +545,51 @@ def _drive(task: GraphTask, ready: list[Ready], on: Device, queue: ReadyQueue[No
     del ready
     if local:
         _process(task, local, on, reraise=reraise, owner=task)
+    gate = current_gate()
+    stop = task.done if gate.previous is None else _Stop(task.done, gate)
     while True:
-        item = queue.get(stop=task.done)
+        item = _get(queue, stop, gate)
         if item is None:  # the task is done: queues close only when no task is in flight
             return
         _process_item(item, on, reraise=reraise, owner=task)
         del item
+
+
+class _Stop:
+    """The ``stop`` of a ReadyQueue wait on a thread with an installed Gate: set when the
+    task is done, or when a Ctrl-C came."""
+
+    __slots__ = ("_done", "_gate")
+
+    def __init__(self, done: Flag, gate: Gate) -> None:
+        self._done, self._gate = done, gate
+
+    def is_set(self) -> bool:
+        return self._done.is_set() or self._gate.pending is not None
+
+
+def _get(queue: ReadyQueue[NodeTask], stop: Flag, gate: Gate,
+         timeout: float | None = None) -> NodeTask | None:
+    """``queue.get``; on a thread with an installed Gate, a Ctrl-C is deferred while it
+    waits (polling every ``POLL`` s) and raised here once the item taken, if any, is back
+    on its queue: no node is lost between the queue and the thread."""
+    if gate.previous is None:
+        return queue.get(stop=stop, timeout=timeout)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    item = None
+    mode, gate.mode = gate.mode, HELD
+    while item is None and not stop.is_set():
+        left = POLL if deadline is None else min(POLL, deadline - time.monotonic())
+        if left <= 0:
+            break
+        item = queue.get(stop=stop, timeout=left)
+    gate.mode = mode
+    if gate.pending is not None:
+        if item is not None:
+            assert item.inputs is not None
+            queue.put(item, item.task.depth, item.node.sequence_nr)
+        gate.raise_pending()
+    return item
 
 
 def _help(task: GraphTask, ready: list[Ready], on: Device, queue: ReadyQueue[NodeTask],
@@ -566,14 +673,20 @@ class _AsyncWork:
             self._helping[queue] = self._helping.get(queue, 0) + 1
         _local.depth = depth + 1
         try:
-            while not task.done.is_set():
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return
-                item = queue.get(stop=task.done, timeout=left)
-                if item is not None:
-                    _process_item(item, on, reraise=True, owner=task, until=deadline)
-                    del item
+            with gate_installed() as gate:
+                stop = task.done if gate.previous is None else _Stop(task.done, gate)
+                while not task.done.is_set():
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return
+                    item = _get(queue, stop, gate, left)
+                    if item is not None:
+                        _process_item(item, on, reraise=True, owner=task, until=deadline)
+                        del item
+        except BaseException as exc:  # Ctrl-C in result(): the backward is cancelled
+            if not isinstance(exc, Exception):
+                task.cancel()
+            raise
         finally:
             _local.depth = depth
             with self._lock:
@@ -640,9 +753,12 @@ class ThreadedEngine(Engine):
         self.trace = Trace() if trace else None
         self._counters = Counters()
         self.deterministic = bool(deterministic)
-        self.handoff_threshold = int(handoff_threshold)
+        self.handoff_threshold = _check_count(handoff_threshold, "handoff_threshold",
+                                              minimum=0)  # 0: hand off every node
         self.limit_blas = bool(limit_blas)
         weakref.finalize(self, self._pool.shutdown, False)
+        with _engines_lock:
+            _engines.add(self)
 
     def __repr__(self) -> str:
         return (f"ThreadedEngine(workers={self._pool.workers(CPU)}, "
@@ -705,10 +821,29 @@ class ThreadedEngine(Engine):
             if threading.current_thread() is not caller:
                 queue.wake_all()
 
-        task, ready = self._begin(roots, grads, retain_graph=retain_graph,
-                                  create_graph=create_graph, inputs=inputs, on_kept=on_kept,
-                                  parent=parent, nested=parent is not None, on_done=on_done,
-                                  counted=counted)
+        # A Ctrl-C from here until _drive's loop is deferred to that loop's first safe
+        # point (interrupts.Gate), so the roots _begin counts are always finished.
+        with gate_installed():
+            task, ready = self._begin(roots, grads, retain_graph=retain_graph,
+                                      create_graph=create_graph, inputs=inputs,
+                                      on_kept=on_kept, parent=parent,
+                                      nested=parent is not None, on_done=on_done,
+                                      counted=counted)
+            self._drive_call(task, ready, parent, on, queue)
+        error = task.error
+        self._counters.task_ended(failed=error is not None)
+        if error is not None:
+            raise _with_hint(error)
+        task.callbacks.run()
+        return task.captured()
+
+    def _drive_call(self, task: GraphTask, ready: list[Ready], parent: GraphTask | InlineRun | None,
+                    on: Device, queue: ReadyQueue[NodeTask]) -> None:
+        """The calling thread's part of ``execute``: run ``task`` until it is over; an
+        interrupt (or any BaseException) cancels it and is raised again at once."""
+        pool = self._pool
+        depth = _local.depth
+        outermost = parent is None and _local.pool is None
         limited = False
         try:
             if outermost and self.limit_blas:
@@ -716,7 +851,12 @@ class ThreadedEngine(Engine):
                 limited = True
             if depth >= MAX_REENTRANT_DEPTH:
                 pool.start_helper(task, ready, on, queue, f"pargrad-{on}-reentrant")
-                task.done.wait()
+                gate = current_gate()
+                gate.mode = NODE  # a blocking wait that holds nothing: Ctrl-C raises here
+                try:
+                    task.done.wait()
+                finally:
+                    gate.mode = HELD
             else:
                 _local.depth = depth + 1
                 try:
@@ -730,12 +870,6 @@ class ThreadedEngine(Engine):
         finally:
             if limited:
                 blas.restore()
-        error = task.error
-        self._counters.task_ended(failed=error is not None)
-        if error is not None:
-            raise _with_hint(error)
-        task.callbacks.run()
-        return task.captured()
 
     def _all_cheap(self, counts: Mapping[Node, object], on: Device) -> bool:
         """Whether no node of a backward is worth handing to another thread: all on
@@ -758,34 +892,40 @@ class ThreadedEngine(Engine):
         it), a node's error named and hinted, statistics, nested depth, and the running
         stack that reentrant and nested calls consult."""
         pool = self._pool
-        pool.task_started(nested=parent is not None)  # raises after shutdown
-        failed = True
-        try:
-            kept = Kept(inputs, on_kept)
-            running, engines = _running(), _engine_stack()
-            run = InlineRun(parent)
-            running.append(run)
-            engines.append(self)
-            previous_mode = is_grad_enabled()
-            _set_enabled(create_graph)
-            _local.depth = depth + 1
+        # Ctrl-C (main thread): held during the bookkeeping around the run, so nothing is
+        # left counted or pushed; at once inside it, where all state is this call's own
+        # and nothing is committed (interrupts.Gate).
+        with gate_installed() as gate:
+            pool.task_started(nested=parent is not None)  # raises after shutdown
+            failed = True
             try:
-                run_graph(roots, grads, counted[0].counts, counted[1], kept,
-                          retain_graph=retain_graph, name_errors=True,
-                          tally=self._counters.mine())
-            except BackwardError as exc:
-                raise _with_hint(exc) from exc.__cause__
+                kept = Kept(inputs, on_kept)
+                running, engines = _running(), _engine_stack()
+                run = InlineRun(parent)
+                running.append(run)
+                engines.append(self)
+                previous_mode = is_grad_enabled()
+                _set_enabled(create_graph)
+                _local.depth = depth + 1
+                try:
+                    gate.mode = NODE
+                    run_graph(roots, grads, counted[0].counts, counted[1], kept,
+                              retain_graph=retain_graph, name_errors=True,
+                              tally=self._counters.mine())
+                except BackwardError as exc:
+                    raise _with_hint(exc) from exc.__cause__
+                finally:
+                    gate.mode = HELD
+                    _local.depth = depth
+                    _set_enabled(previous_mode)
+                    engines.pop()
+                    running.pop()
+                failed = False
             finally:
-                _local.depth = depth
-                _set_enabled(previous_mode)
-                engines.pop()
-                running.pop()
-            run.callbacks.run()
-            failed = False
-            return kept.grads
-        finally:
-            self._counters.task_ended(failed=failed)
-            pool.task_done()
+                self._counters.task_ended(failed=failed)
+                pool.task_done()
+        run.callbacks.run()
+        return kept.grads
 
     def execute_async(
         self,
@@ -833,18 +973,27 @@ class ThreadedEngine(Engine):
                 pool.task_done()  # last: shutdown(wait=True) returns after the future resolved
 
         # Not a reentrant backward even when a node starts it: that node does not wait.
-        task, ready = self._begin(roots, grads, retain_graph=retain_graph,
-                                  create_graph=create_graph, inputs=inputs, on_kept=on_kept,
-                                  parent=None, nested=_current_task() is not None,
-                                  on_done=on_done, work=work)
-        if task.done.is_set():  # nothing to run (every root a sink), or start failed
-            return future
-        if task.serial:  # every node on one thread, in the reference's order
-            pool.start_helper(task, ready, on, queue, f"pargrad-{on}-async")
-        else:
-            for node, gathered in ready:
-                pool.queue(node.device).put(NodeTask(task, node, gathered), task.depth,
-                                            node.sequence_nr)
+        # Ctrl-C is deferred until every counted root has reached a thread; if it came,
+        # the backward is cancelled (it commits nothing) and the interrupt raised here.
+        try:
+            with deferred_interrupts():
+                task, ready = self._begin(roots, grads, retain_graph=retain_graph,
+                                          create_graph=create_graph, inputs=inputs,
+                                          on_kept=on_kept, parent=None,
+                                          nested=_current_task() is not None,
+                                          on_done=on_done, work=work)
+                if task.done.is_set():  # nothing to run (every root a sink), or start failed
+                    return future
+                if task.serial:  # every node on one thread, in the reference's order
+                    pool.start_helper(task, ready, on, queue, f"pargrad-{on}-async")
+                else:
+                    for node, gathered in ready:
+                        pool.queue(node.device).put(NodeTask(task, node, gathered),
+                                                    task.depth, node.sequence_nr)
+        except BaseException as exc:
+            if not isinstance(exc, Exception) and work.task is not None:
+                work.task.cancel()
+            raise
         return future
 
     def _begin(self, roots: Sequence[Edge], grads: Sequence[Grad], *, retain_graph: bool,
@@ -903,6 +1052,14 @@ class ThreadedEngine(Engine):
                 "shutdown(wait=False) there, or shut down from outside the callback"
             )
         self._pool.shutdown(wait)
+
+    def _after_fork_in_child(self) -> None:
+        """Make this engine usable in a child process just forked (pargrad/fork.py):
+        a fresh pool state, and the locks a parent thread may have held made anew."""
+        self._pool.after_fork_in_child()
+        self._counters._lock._at_fork_reinit()  # type: ignore[attr-defined]
+        if self.trace is not None:
+            self.trace._lock._at_fork_reinit()  # type: ignore[attr-defined]
 
     def __enter__(self) -> ThreadedEngine:
         return self

@@ -177,6 +177,8 @@ class Op:
                 counter = result._counter = VersionCounter()
                 node.saved_versions += (-1, counter, 0, out)
             return result
+        if grad and out.dtype.kind in LOSSY_KINDS and is_grad_enabled():
+            _refuse_lossy_mix(self.name, args, out.dtype)
         return Tensor._make(out, None, 0, on)
 
     def outputs(self, *args: Any, **params: Any) -> tuple[Tensor, ...]:
@@ -198,6 +200,8 @@ class Op:
                             refresh(b, recording=True)
                     node = self.node_type(self, operands, arrays, params, outs, on)
                     break
+        elif outs[0].dtype.kind in LOSSY_KINDS and is_grad_enabled():
+            _refuse_lossy_mix(self.name, operands, outs[0].dtype)
         tensors = tuple(Tensor._make(o, node, i, on) for i, o in enumerate(outs))
         if self.view and operands and isinstance(operands[0], Tensor):
             source = operands[0]
@@ -231,6 +235,28 @@ def meta_of(array: np.ndarray) -> tuple[Meta]:
             _metas.clear()
         found = _metas[key] = (key,)
     return found
+
+
+LOSSY_KINDS = frozenset("cOSUVMm")
+"""numpy dtype kinds that a float gradient cannot flow through: complex, object, bytes,
+str, void, datetime and timedelta. (Bool and integer results, of comparisons and
+``argmax``, are not differentiable by definition and pass.)"""
+
+
+def _refuse_lossy_mix(name: str, operands: Sequence[Any], dtype: np.dtype) -> None:
+    """Raise if a Tensor that requires grad went into a result of a ``LOSSY_KINDS``
+    dtype: recording no node would silently drop that gradient path (docs/ops.md)."""
+    if not any(isinstance(a, Tensor) and a.requires_grad for a in operands):
+        return
+    kinds = [np.asarray(array_of(a)).dtype for a in operands]
+    culprits = [f"argument {i} ({k})" for i, k in enumerate(kinds) if k.kind in LOSSY_KINDS]
+    how = f"was mixed with {', '.join(culprits)}, giving" if culprits else "became"
+    raise TypeError(
+        f"{name}: a float Tensor that requires grad {how} dtype {dtype}; pargrad "
+        f"differentiates real floating-point data only, so its gradient path would be "
+        f"lost. Convert the other operand to a float array (e.g. take .real, or "
+        f".astype(np.float64)), or detach the Tensor if no gradient is wanted"
+    )
 
 
 def _owner(array: np.ndarray) -> Any:

@@ -1,0 +1,161 @@
+"""Where Ctrl-C may land: ``deferred_interrupts()`` defers it across a short critical
+section; ``Gate`` lets it raise inside a node and defers it elsewhere in an engine's loop.
+
+Python runs a signal's handler in the main thread only, between two bytecodes (at a
+function call, a loop's back edge, or a blocking call that was interrupted), and the
+default SIGINT handler raises KeyboardInterrupt there. A loop that publishes several
+values (the commit of a backward's leaf gradients) can therefore be stopped midway.
+``signal.pthread_sigmask`` cannot help: it blocks the OS signal, but the handler that
+raises is Python's own, run from the eval loop. So this swaps the Python handler
+instead: inside the block, a SIGINT is only recorded; on leaving, the previous handler
+is put back and, if a SIGINT came, called then (the default one raises
+KeyboardInterrupt right after the block, which therefore ran to its end).
+
+Guarantees:
+- Inside the block no SIGINT handler runs, on the main thread; a SIGINT that arrived is
+  handled once, by the handler installed before the block, as the block is left (also
+  when the block raised: then the block's own exception propagates, with the
+  KeyboardInterrupt as its context, as for any handler raising in an ``except``).
+- An interrupt that lands before the block is entered is raised there, before any of it
+  ran (nothing published); one that lands after it left is raised after all of it ran.
+
+Assumptions: only the main thread ever gets signal handlers called, so on other threads
+(which never see KeyboardInterrupt from a signal) the block does nothing. A handler that
+is not a Python callable (``SIG_IGN``, ``SIG_DFL``, or one installed from C) is left
+alone. Keep the block short and non-blocking: Ctrl-C waits for it.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any
+
+
+@contextmanager
+def deferred_interrupts() -> Iterator[None]:
+    """Run the block with SIGINT's Python handler deferred to its end (module doc).
+
+    >>> from pargrad.interrupts import deferred_interrupts
+    >>> with deferred_interrupts():
+    ...     published = [1, 2, 3]
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous):
+        yield
+        return
+    arrived: list[tuple[int, FrameType | None]] = []
+
+    def record(signum: int, frame: FrameType | None) -> None:
+        arrived.append((signum, frame))
+
+    signal.signal(signal.SIGINT, record)  # may raise an interrupt that came before: fine
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if arrived:
+            handler: Any = previous
+            handler(*arrived[0])
+
+
+NODE, HELD = 0, 1
+"""What the thread with a Gate is doing: running a node's code (a Ctrl-C raises at once,
+where the node's own ``try`` catches it), or engine bookkeeping and waiting (it is
+deferred to the next safe point; a wait polls, so it returns within ``POLL`` s)."""
+
+POLL = 0.02
+"""Seconds a thread with an installed Gate waits on a ReadyQueue before it looks for a
+deferred Ctrl-C (a signal handler cannot wake the wait: it may run while the thread
+holds the queue's lock)."""
+
+
+class Gate:
+    """The main thread's SIGINT handling while it runs a backward (``gate_installed``).
+
+    Python calls ``handle`` between two bytecodes of the main thread. In ``NODE`` mode it
+    calls the handler that was installed before (the default raises KeyboardInterrupt
+    there); otherwise it keeps the signal in ``pending``, and the engine raises it at
+    its next safe point (``raise_pending``), where every node it counted is accounted
+    for. A Ctrl-C thus interrupts a node at once, a wait within ``POLL`` seconds, and
+    bookkeeping a few bytecodes later; it never lands between two steps of it.
+
+    Per thread: a thread that gets no signals (every thread but the main one, or the main
+    thread without a Python SIGINT handler) has a disabled Gate (``previous`` None) whose
+    ``pending`` stays None; its ``mode`` is written and never read. Each Gate is touched
+    only by its own thread (a signal handler runs on that thread too), so no lock.
+    """
+
+    __slots__ = ("mode", "pending", "previous")
+
+    def __init__(self, previous: Callable[[int, FrameType | None], Any] | None = None) -> None:
+        self.mode = HELD
+        self.pending: tuple[int, FrameType | None] | None = None
+        self.previous = previous  # the handler to call; None: a disabled gate
+
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        """The SIGINT handler while this gate is installed."""
+        if self.mode == NODE and self.pending is None:
+            assert self.previous is not None
+            self.previous(signum, frame)
+        elif self.pending is None:
+            self.pending = (signum, frame)
+    def raise_pending(self) -> None:
+        """Call the previous handler for a deferred signal (it usually raises); no-op if
+        none came."""
+        pending = self.pending
+        if pending is not None:
+            self.pending = None
+            assert self.previous is not None
+            self.previous(*pending)
+
+
+_threads = threading.local()  # ``gate``: this thread's Gate, once made
+
+
+def current_gate() -> Gate:
+    """The calling thread's Gate (a disabled one unless ``gate_installed`` is open)."""
+    gate: Gate | None = getattr(_threads, "gate", None)
+    if gate is None:
+        gate = _threads.gate = Gate()
+    return gate
+
+
+@contextmanager
+def gate_installed() -> Iterator[Gate]:
+    """Run the block in ``HELD`` mode with a Gate as SIGINT's handler: on the main thread
+    if its handler is a Python callable (else with the thread's disabled Gate). Nested
+    blocks share the outer one and restore its mode; the outermost puts the previous
+    handler back, and then raises a signal still pending unless an exception is
+    already propagating (which a Ctrl-C would only have replaced)."""
+    gate = current_gate()
+    mode, gate.mode = gate.mode, HELD
+    try:
+        if gate.previous is not None or threading.current_thread() is not threading.main_thread():
+            yield gate  # nested, or a thread that gets no signals
+            return
+        previous = signal.getsignal(signal.SIGINT)
+        if not callable(previous):
+            yield gate
+            return
+        gate.previous, gate.pending = previous, None
+        signal.signal(signal.SIGINT, gate.handle)
+        raised = False
+        try:
+            yield gate
+        except BaseException:
+            raised = True
+            raise
+        finally:
+            signal.signal(signal.SIGINT, previous)
+            pending, gate.pending, gate.previous = gate.pending, None, None
+            if pending is not None and not raised:
+                previous(*pending)
+    finally:
+        gate.mode = mode

@@ -1,0 +1,276 @@
+"""Ctrl-C and the threaded engine's loop (issue #18 items 1 and 5): an interrupt that
+lands anywhere in a backward's bookkeeping leaves no node counted forever; shutdown,
+the other callers and the next backward all complete, and ``.grad`` is committed whole
+or not at all. Every wait is bounded: a hang fails the test, it never hangs the run.
+
+The injection test is driven by the data just below: which functions' code to inject a
+SIGINT into, at each point where a signal can land (tests/interrupting.py), one run per
+point. Point it at a rewritten loop by editing ``LOOP_CODE``."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import pargrad
+from pargrad import Tensor
+from tests.interrupting import SigintAt, code_objects
+
+THREADED = "pargrad.engine.threaded"
+GRAPH_TASK = "pargrad.engine.graph_task"
+QUEUE = "pargrad.engine.ready_queue"
+SEQUENTIAL = "pargrad.engine.sequential"
+# The loop's bookkeeping: every function a backward's calling thread (or a thread in
+# result()) runs between nodes. Names missing from the code under test are skipped.
+LOOP_CODE = [
+    (THREADED, "ThreadedEngine.execute"), (THREADED, "ThreadedEngine._drive_call"),
+    (THREADED, "ThreadedEngine._begin"), (THREADED, "_drive"), (THREADED, "_get"),
+    (THREADED, "_process_item"), (THREADED, "_process"), (THREADED, "_schedule"),
+    (THREADED, "_requeue"), (THREADED, "_interrupted"), (THREADED, "_fail"),
+    (THREADED, "_AsyncWork.wait"), (GRAPH_TASK, "GraphTask.start"),
+    (GRAPH_TASK, "GraphTask.deliver"), (GRAPH_TASK, "GraphTask.finish"),
+    (GRAPH_TASK, "GraphTask.fail"), (GRAPH_TASK, "GraphTask.cancel"),
+    (QUEUE, "ReadyQueue.get"), (QUEUE, "ReadyQueue.put"),
+    (THREADED, "ThreadedEngine._execute_inline"), (SEQUENTIAL, "run_graph"),
+]
+# The engines the injection runs on: everything inline on the caller, and every node
+# handed to the ReadyQueue (so the caller takes work from it and waits on it).
+CONFIGS = {"inline": {"workers": 1},
+           "handoff": {"workers": 2, "handoff_threshold": 0},
+           "reference-loop": {"workers": 1}}
+# The device of the graph's right branch: cpu:1 makes every backward a GraphTask (its
+# nodes on the caller and on cpu:1's worker); on cpu alone the small graph has nothing to
+# hand off, so ThreadedEngine runs the reference's loop inline (_execute_inline).
+RIGHT = {"inline": "cpu:1", "handoff": "cpu:1", "reference-loop": "cpu"}
+BOUND = 20.0  # seconds any one step may take before it counts as hung
+
+
+def leaf(value: Any) -> Tensor:
+    return pargrad.tensor(value, requires_grad=True)
+
+
+@pytest.fixture(autouse=True)
+def default_sigint() -> Iterator[None]:
+    """Ctrl-C raises KeyboardInterrupt, whatever the runner installed."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def graph(leaves: list[Tensor], right_on: str = "cpu:1") -> Tensor:
+    """A few branches that meet: deliveries, buffers, fan-in, a node on ``right_on``."""
+    a, b, c = leaves
+    left = (a * b).sum() + (a * 2).sum()
+    right = ((b.to(right_on) * c.to(right_on)).to("cpu")).sum()
+    return left + right * (c * c).sum()
+
+
+def expected(leaves: list[Tensor]) -> list[np.ndarray]:
+    a, b, c = (t.data for t in leaves)
+    right = (b * c).sum()
+    cc = (c * c).sum()
+    return [b + 2, a + c * cc, b * cc + 2 * c * right]
+
+
+def bounded(fn: Callable[[], Any], what: str) -> Any:
+    """Run ``fn`` on a thread; fail if it does not return within BOUND seconds."""
+    got: list[Any] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            got.append(fn())
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(BOUND)
+    assert not thread.is_alive(), f"{what} hung"
+    if errors:
+        raise errors[0]
+    return got[0]
+
+
+class OtherCaller:
+    """A second thread running backward calls on the same engine, each checked."""
+
+    def __init__(self, engine: pargrad.ThreadedEngine) -> None:
+        self.engine = engine
+        self.stop = threading.Event()
+        self.calls = self.interrupted_elsewhere = 0
+        self.wrong: list[str] = []
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
+        rng = np.random.default_rng(1)
+        while not self.stop.is_set():
+            leaves = [leaf(rng.normal(size=3)) for _ in range(3)]
+            try:
+                pargrad.backward(graph(leaves), engine=self.engine)
+            except pargrad.BackwardError as exc:  # the main thread ran one of its nodes
+                if "interrupted by KeyboardInterrupt" not in str(exc):
+                    self.wrong.append(repr(exc))
+                self.interrupted_elsewhere += 1
+                continue
+            for t, want in zip(leaves, expected(leaves)):
+                if not np.allclose(t.grad.data, want):
+                    self.wrong.append("wrong gradient")
+            self.calls += 1
+
+    def finish(self) -> None:
+        self.stop.set()
+        self.thread.join(BOUND)
+        assert not self.thread.is_alive(), "the other caller hung"
+        assert not self.wrong, self.wrong[:3]
+
+
+def one_run(engine: pargrad.ThreadedEngine, codes: set[Any], n: int,
+            every_bytecode: bool, asynchronous: bool, right_on: str = "cpu:1") -> SigintAt:
+    """One backward (or backward_async + result()) on the main thread with a SIGINT at
+    the n-th point; then check the commit was whole or nothing."""
+    rng = np.random.default_rng(n)
+    leaves = [leaf(rng.normal(size=3)) for _ in range(3)]
+    want = expected(leaves)
+    loss = graph(leaves, right_on)
+    tracer = SigintAt(codes, n, every_bytecode)
+    sys.settrace(tracer)
+    try:
+        if asynchronous:
+            future = None
+            try:
+                future = pargrad.backward_async(loss, engine=engine)
+                future.result(timeout=BOUND)
+            except KeyboardInterrupt:  # Ctrl-C in result(): the backward is cancelled
+                sys.settrace(None)
+                if future is not None:
+                    done, _ = concurrent.futures.wait([future], BOUND)
+                    assert done, f"the future never resolved after {tracer.where}"
+                raise
+        else:
+            pargrad.backward(loss, engine=engine)
+    except KeyboardInterrupt:
+        assert tracer.fired
+    finally:
+        sys.settrace(None)
+    committed = [t.grad is not None for t in leaves]
+    assert all(committed) or not any(committed), (tracer.where, committed)
+    if all(committed):
+        for t, w in zip(leaves, want):
+            np.testing.assert_allclose(t.grad.data, w)
+    return tracer
+
+
+def inject_everywhere(config: str, *, every_bytecode: bool = False,
+                      asynchronous: bool = False, stride: int = 1) -> int:
+    """Inject at every point (or every ``stride``-th) of a backward, one run each, with a
+    second caller on the engine; then the next backward and shutdown complete."""
+    codes = code_objects(LOOP_CODE)
+    engine = pargrad.ThreadedEngine(**CONFIGS[config])
+    other = OtherCaller(engine)
+    try:
+        counter = SigintAt(codes, 0, every_bytecode)  # n=0 never fires: count the points
+        sys.settrace(counter)
+        try:
+            (leaf([1.0]) * 2).sum().backward(engine=engine)
+            loss = graph([leaf(np.ones(3)) for _ in range(3)], RIGHT[config])
+            if asynchronous:
+                pargrad.backward_async(loss, engine=engine).result(timeout=BOUND)
+            else:
+                pargrad.backward(loss, engine=engine)
+        finally:
+            sys.settrace(None)
+        points = counter.count
+        assert points > 10
+        fired = 0
+        for n in range(1, points + 1, stride):
+            fired += one_run(engine, codes, n, every_bytecode, asynchronous,
+                             RIGHT[config]).fired
+        # the engine still works, on this thread and on others
+        x = leaf([1.0, 2.0])
+        bounded(lambda: (x * x).sum().backward(engine=engine), "the next backward")
+        np.testing.assert_array_equal(x.grad.data, [2.0, 4.0])
+        assert other.calls > 0
+    finally:
+        other.finish()
+        bounded(lambda: engine.shutdown(wait=True), "shutdown")
+    return fired
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_sigint_at_every_signal_point_of_the_loop(config: str) -> None:
+    assert inject_everywhere(config) > 10
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_sigint_at_every_signal_point_while_waiting_in_result(config: str) -> None:
+    assert inject_everywhere(config, asynchronous=True) > 10
+
+
+# ----- Ctrl-C in result() cancels the backward, whichever line it lands on -----
+
+class Sleep(pargrad.Function):
+    """Identity whose backward sleeps (a node Ctrl-C must interrupt promptly)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> np.ndarray:
+        return x.data.copy()
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> Tensor:
+        time.sleep(0.05)
+        return g
+
+
+def interrupt_main_after(delay: float) -> threading.Timer:
+    timer = threading.Timer(delay, signal.raise_signal, (signal.SIGINT,))
+    timer.start()
+    return timer
+
+
+@pytest.mark.parametrize("where", ["waiting", "in a node"])
+def test_ctrl_c_in_result_cancels_and_commits_nothing(where: str) -> None:
+    """Waiting on the queue (the workers run every node) or running a node itself (one
+    worker, busy): either way the future is cancelled and no .grad changes."""
+    workers = 2 if where == "waiting" else 1
+    with pargrad.ThreadedEngine(workers=workers, handoff_threshold=0) as engine:
+        xs = [leaf([float(i)]) for i in range(6)]
+        loss = sum((Sleep.apply(x).sum() for x in xs), leaf([0.0]).sum())
+        future = pargrad.backward_async(loss, engine=engine)
+        timer = interrupt_main_after(0.03)
+        start = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            future.result(timeout=BOUND)
+        took = time.monotonic() - start
+        timer.join()
+        done, _ = concurrent.futures.wait([future], BOUND)
+        assert done, "the cancelled backward never resolved"
+        assert future.cancelled(), future.exception()
+        assert all(x.grad is None for x in xs)
+        assert took < BOUND
+
+
+# ----- random Ctrl-C: the quick version of tests/stress_sigint.py -----
+
+@pytest.mark.parametrize("interrupts", [
+    30,
+    pytest.param(300, marks=[pytest.mark.timeout(1200), pytest.mark.skipif(
+        not os.environ.get("PARGRAD_STRESS"), reason="set PARGRAD_STRESS=1 (slow)")]),
+])
+def test_random_sigint_two_callers_no_hang_no_partial_commit(interrupts: int) -> None:
+    from tests.stress_sigint import run
+
+    tally = run(interrupts, watchdog=False)  # pytest-timeout bounds it here
+    assert tally.interrupts == interrupts
+    assert tally.partial == 0 and tally.wrong == 0 and not tally.hangs, tally
+    assert tally.raised_in_backward > 0 and tally.other_calls > 0, tally
