@@ -121,7 +121,9 @@ def trials_of(workload: Workload, made: Contenders, cores: int
             trials[name], kinds[name] = ceiling, "ceiling"
     skipped = dict(made.skipped_peers)
     for name, module in made.peers.items():
-        made_trial = peers.trial(name, module, workload)
+        made_trial = peers.trial(name, module, workload, cores)
+        if made_trial is None:
+            continue
         if isinstance(made_trial, str):
             skipped[name] = made_trial
         else:
