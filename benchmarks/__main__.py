@@ -23,7 +23,7 @@ from benchmarks.measure import machine_facts
 from benchmarks.overlap import NAME as OVERLAP
 from benchmarks.overlap import run_overlap
 from benchmarks.peers import versions
-from benchmarks.suite import contenders, run_widths, run_workload, settings
+from benchmarks.suite import contenders, run_sweep, run_widths, run_workload, settings
 from benchmarks.workloads import make_workloads
 
 WIDE = ("wide-matmul", "wide-elementwise")
@@ -88,15 +88,20 @@ def main(argv: list[str] | None = None) -> int:
             if _selected(name, only):
                 measured = next(w for w in figures["workloads"] if w["name"] == name)
                 figures["widths"][name] = run_widths(name, made, s, measured)
+        if "wide-elementwise" in figures["widths"]:
+            figures["sweep"] = run_sweep(made, s)
     if _selected(OVERLAP, only):
         figures["overlap"] = run_overlap(mode, s.repeats)
         report.print_overlap(figures["overlap"])
     default = f"threaded({made.default_workers})"
     if figures["widths"]:
         report.print_widths(figures["widths"])
+    if "sweep" in figures:
+        report.print_sweep(figures["sweep"])
     figures["ratios"] = {w["name"]: report.ratios(w, s.cores, default)
                          for w in figures["workloads"]}
-    figures["targets"] = report.targets(figures["workloads"], s.cores, default)
+    figures["targets"] = report.targets(figures["workloads"], s.cores, default,
+                                        figures.get("sweep"))
     if figures["targets"]:
         report.print_targets(figures["targets"])
     figures["seconds"] = time.perf_counter() - started

@@ -433,6 +433,16 @@ def make_workloads(mode: str) -> dict[str, Callable[[], Workload]]:
     return made
 
 
+ELEMENTWISE_SWEEP: dict[str, tuple[tuple[int, int, int], ...]] = {
+    "full": (*((b, d, 300_000) for b in (2, 6, 8) for d in (2, 4)),
+             (6, 4, 30_000), (6, 4, 1_000_000), (2, 2, 30_000)),
+    "quick": ((2, 2, 30_000), (6, 4, 300_000), (8, 2, 1_000_000)),
+    "smoke": ((2, 2, 1000), (3, 1, 2000)),
+}
+"""(branches, depth, elements) of the wide-elementwise sweep: the engine against the
+plain-threads ceiling away from the suite's own size (6 x 4 on 3e5 was the worst seen)."""
+
+
 def make_wide(name: str, mode: str, width: int) -> Branchy:
     """``name`` (wide-matmul or wide-elementwise) at the sizes of ``mode`` with
     ``width`` branches: the graphs of the plot against graph width."""
