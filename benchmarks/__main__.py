@@ -7,6 +7,8 @@ speed-up against graph width, the overlap of an asynchronous backward with the r
 training step (``benchmarks/overlap.py``), and the targets with their measured ratios. ``--json``
 saves every figure (each sample); ``--plot`` draws the speed-ups as a PNG (matplotlib).
 Compare figures within one run only: the ratios are what carries over, not the times.
+``--compare REV [--rounds N]`` runs the workloads on this tree and on git revision REV,
+interleaved, and prints REV's medians over this tree's (``benchmarks/compare.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 from typing import Any
 
 from benchmarks import report
+from benchmarks.compare import add_arguments, compare
 from benchmarks.measure import machine_facts
 from benchmarks.overlap import NAME as OVERLAP
 from benchmarks.overlap import run_overlap
@@ -48,6 +51,7 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", metavar="FILE", help="write every figure to FILE")
     parser.add_argument("--plot", metavar="FILE", help="draw the speed-ups into FILE (PNG)")
     parser.add_argument("--no-peers", action="store_true", help="skip PyTorch and HIPS")
+    add_arguments(parser)  # --compare REV, --rounds N
     return parser.parse_args(argv)
 
 
@@ -55,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _arguments(argv)
     only = args.only.split(",") if args.only else None
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    if args.compare:
+        return compare(args, only, mode)
     facts = machine_facts()
     workers = tuple(sorted({int(w) for w in args.workers.split(",")}
                            | {facts["pargrad_default_workers"]}))

@@ -1,0 +1,251 @@
+"""``python -m benchmarks --compare REV``: the workloads on this tree and on commit REV, side
+by side in one run.
+
+REV's ``pargrad/`` (only that folder) is extracted with ``git archive`` into a temporary
+folder, removed afterwards whatever happens (an error, Ctrl-C); nothing is added to the
+repository (no worktree to prune). Then rounds of measurement alternate between the two
+trees, each in a fresh subprocess, the order flipping every round (current, REV, REV,
+current, ...) so that a noisy stretch hits both alike. A subprocess puts its tree first
+on ``sys.path``, checks that ``pargrad`` comes from there, and runs the benchmark code
+of *this* tree (``benchmarks/``, ``tests/strategies.py``), so that both sides run the
+very same workloads; the benchmark code must therefore run on REV's pargrad too.
+
+Each round runs every selected workload with its share of the repeats (the settings of
+the mode divided by the rounds, each after its own warm-up); the samples of the rounds
+are pooled per side, and the table gives, for every contender both sides ran, the
+medians and REV's over this tree's (above 1: this tree is faster), the peak backward
+memory of both, and on tiny-chain the cost per op. Then the targets, measured on this
+tree's side, and the peak memory against REV's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent  # this tree, whose benchmark code runs
+ROUNDS = {"full": 4, "quick": 2, "smoke": 2}
+SIDES = ("rev", "current")
+_BOOT = ("import sys; sys.path.insert(0, sys.argv[1]); "
+         "from benchmarks.compare import worker; sys.exit(worker(sys.argv[1], sys.argv[2]))")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--compare", metavar="REV",
+                        help="also run the workloads on git revision REV, interleaved, and "
+                             "print REV's medians over this tree's")
+    parser.add_argument("--rounds", type=int, metavar="N",
+                        help="with --compare: alternations of the two trees "
+                             f"(default {ROUNDS['full']}, quick and smoke {ROUNDS['quick']})")
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+@contextmanager
+def materialised(rev: str) -> Iterator[Path]:
+    """A temporary folder holding REV's ``pargrad/``, removed on leaving."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", rev,
+                              "pargrad"], capture_output=True, check=True).stdout
+    with tempfile.TemporaryDirectory(prefix="pargrad-compare-") as folder, \
+            tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(folder, filter="data")
+        else:  # Python < 3.11.4: the archive is git's own, of one commit
+            tar.extractall(folder)
+        yield Path(folder)
+
+
+# ----- one side of one round, in its own process -----
+def worker(tree: str, request_path: str) -> int:
+    """Run the request's workloads on the pargrad of ``tree`` (first on ``sys.path``)
+    and write their figures where the request says."""
+    import pargrad
+    here = Path(pargrad.__file__).resolve()
+    assert here.is_relative_to(Path(tree).resolve()), f"pargrad from {here}, not {tree}"
+    from benchmarks.__main__ import _selected
+    from benchmarks.measure import machine_facts
+    from benchmarks.suite import contenders, run_workload, settings
+    from benchmarks.workloads import make_workloads
+    request = json.loads(Path(request_path).read_text())
+    mode, rounds, only = request["mode"], request["rounds"], request["only"]
+    facts = machine_facts()
+    full = settings(mode, tuple(request["workers"]), facts["cores"])
+    s = dataclasses.replace(full, repeats=math.ceil(full.repeats / rounds),
+                            max_repeats=math.ceil(full.max_repeats / rounds),
+                            budget_s=full.budget_s / rounds, memory_repeats=1)
+    results = []
+    with contenders(s.workers, s.cores, use_peers=request["peers"]) as made:
+        gc.freeze()
+        for name, make in make_workloads(mode).items():
+            if _selected(name, only):
+                results.append(run_workload(make(), made, s))
+    Path(request["out"]).write_text(json.dumps(
+        {"pargrad": str(here), "default": f"threaded({made.default_workers})",
+         "cores": s.cores, "workloads": results}))
+    return 0
+
+
+def _run_side(tree: Path, request: dict[str, Any], out: Path) -> dict[str, Any]:
+    path = out.with_suffix(".request.json")
+    path.write_text(json.dumps({**request, "out": str(out)}))
+    done = subprocess.run([sys.executable, "-c", _BOOT, str(tree), str(path)], cwd=ROOT)
+    if done.returncode != 0:
+        raise RuntimeError(f"the benchmark run on {tree} failed (exit {done.returncode}, "
+                           "see above); the benchmark code of this tree must run on "
+                           "REV's pargrad")
+    return dict(json.loads(out.read_text()))
+
+
+# ----- pooling the rounds, the table -----
+def _pool(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The workloads of several rounds of one side as one run: samples pooled, the
+    largest peak memory."""
+    from benchmarks.measure import summary
+    pooled = []
+    for parts in zip(*(run["workloads"] for run in runs)):
+        first = parts[0]
+        merged = {**first, "repeats": sum(p["repeats"] for p in parts),
+                  "seconds": sum(p["seconds"] for p in parts), "contenders": {}}
+        for name, c in first["contenders"].items():
+            merged["contenders"][name] = {
+                **c, **{part: summary(s for p in parts
+                                      for s in p["contenders"][name][part]["samples_s"])
+                        for part in ("forward", "backward", "total")},
+                "peak_backward_bytes": None if c["peak_backward_bytes"] is None else
+                max(p["contenders"][name]["peak_backward_bytes"] for p in parts)}
+        pooled.append(merged)
+    return pooled
+
+
+def rows(rev: list[dict[str, Any]], current: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each workload and each contender both sides ran: both medians of forward
+    and backward with REV's over this tree's, both peak memories, and per op."""
+    out = []
+    for old, new in zip(rev, current):
+        for name, c in new["contenders"].items():
+            if name not in old["contenders"]:
+                continue
+            was = old["contenders"][name]
+            row: dict[str, Any] = {"workload": new["name"], "contender": name,
+                                   "fused": c["fused"],
+                                   "nodes": {"rev": old["nodes"], "current": new["nodes"]}}
+            for part in ("forward", "backward", "total"):
+                before, now = was[part]["median_s"], c[part]["median_s"]
+                row[part] = {"rev_s": before, "current_s": now, "rev / current": before / now,
+                             "rev_us_per_node": before / old["nodes"] * 1e6,
+                             "current_us_per_node": now / new["nodes"] * 1e6}
+            row["peak_backward_bytes"] = {"rev": was["peak_backward_bytes"],
+                                          "current": c["peak_backward_bytes"]}
+            out.append(row)
+    return out
+
+
+def memory_targets(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per workload, the largest peak backward memory of this tree over REV's among
+    pargrad's contenders (target <= 1: no higher than before)."""
+    worst: dict[str, tuple[float, str]] = {}
+    for row in table:
+        peak = row["peak_backward_bytes"]
+        if peak["rev"] and peak["current"] is not None:
+            ratio = peak["current"] / peak["rev"]
+            if ratio > worst.get(row["workload"], (-1.0, ""))[0]:
+                worst[row["workload"]] = (ratio, row["contender"])
+    return [{"target": f"{w}: largest peak memory, this tree / REV ({name})", "value": ratio,
+             "sign": "<=", "limit": 1.0, "holds": ratio <= 1.0,
+             "measured": "peak backward memory"} for w, (ratio, name) in worst.items()]
+
+
+def print_table(rev: str, table: list[dict[str, Any]]) -> None:
+    print(f"\nbefore/after: medians in ms on {rev} (rev) and this tree (now), rev / now "
+          "(above 1: this tree is faster), peak backward MB; fused: forward and backward "
+          "in the bw columns")
+    header = (f"  {'contender':<28}{'fw rev':>9}{'fw now':>9}{'rev/now':>8}"
+              f"{'bw rev':>9}{'bw now':>9}{'rev/now':>8}{'MB rev':>8}{'MB now':>8}")
+    workload = None
+    for row in table:
+        if row["workload"] != workload:
+            workload = row["workload"]
+            print(f"{workload}:\n{header}")
+        fw, peak = row["forward"], row["peak_backward_bytes"]
+        bw = row["total" if row["fused"] else "backward"]
+        forward = (f"{'fused':>26}" if row["fused"] else f"{fw['rev_s'] * 1e3:9.2f}"
+                   f"{fw['current_s'] * 1e3:9.2f}{fw['rev / current']:8.3f}")
+        mb = "".join(f"{peak[side] / 2**20:8.2f}" if peak[side] is not None else f"{'':8}"
+                     for side in SIDES)
+        print(f"  {row['contender']:<28}{forward}{bw['rev_s'] * 1e3:9.2f}"
+              f"{bw['current_s'] * 1e3:9.2f}{bw['rev / current']:8.3f}{mb}")
+    chain = [row for row in table if row["workload"] == "tiny-chain"]
+    if chain:
+        print(f"\ntiny-chain per op (µs, {chain[0]['nodes']['current']} nodes): "
+              "forward, backward and both, on rev and now")
+        print(f"  {'contender':<28}{'fw rev':>8}{'fw now':>8}{'bw rev':>8}{'bw now':>8}"
+              f"{'both rev':>9}{'both now':>9}")
+        for row in (row for row in chain if not row["fused"]):
+            cells = "".join(f"{row[part][f'{side}_us_per_node']:{8 + (part == 'total')}.2f}"
+                            for part in ("forward", "backward", "total") for side in SIDES)
+            print(f"  {row['contender']:<28}{cells}")
+
+
+def compare(args: argparse.Namespace, only: list[str] | None, mode: str) -> int:
+    """The ``--compare`` run of ``python -m benchmarks`` (``args`` as it parsed them)."""
+    from benchmarks import report
+    from benchmarks.measure import machine_facts
+    started = time.perf_counter()
+    rev = _git("rev-parse", "--verify", f"{args.compare}^{{commit}}")
+    changed = _git("status", "--porcelain", "--untracked-files=no", "--", "pargrad")
+    facts = machine_facts()
+    rounds = args.rounds or ROUNDS[mode]
+    request = {"mode": mode, "rounds": rounds, "only": only, "peers": not args.no_peers,
+               "workers": sorted({int(w) for w in args.workers.split(",")}
+                                 | {facts["pargrad_default_workers"]})}
+    print(f"compare: {args.compare} = {rev[:12]} against this tree (HEAD "
+          f"{_git('rev-parse', '--short=12', 'HEAD')}"
+          f"{', with changes to pargrad/' if changed else ''}); {mode} run in {rounds} "
+          f"rounds of both, each side in its own process")
+    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
+    with materialised(rev) as old, tempfile.TemporaryDirectory(prefix="pargrad-runs-") as tmp:
+        trees = {"rev": old, "current": ROOT}
+        for r in range(rounds):
+            for side in SIDES if r % 2 == 0 else SIDES[::-1]:  # rev, now, now, rev, ...
+                print(f"round {r + 1}/{rounds}: {side}", flush=True)
+                runs[side].append(_run_side(trees[side], request,
+                                            Path(tmp) / f"{side}-{r}.json"))
+    if args.plot:
+        print("no plot with --compare: the plots are of one tree's run")
+    sides = {side: _pool(runs[side]) for side in SIDES}
+    table = rows(sides["rev"], sides["current"])
+    print_table(args.compare, table)
+    current = runs["current"][0]
+    targets = [*report.targets(sides["current"], current["cores"], current["default"]),
+               *memory_targets(table)]
+    if targets:
+        report.print_targets(targets)
+    seconds = time.perf_counter() - started
+    facts["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    print(f"\ncompare run took {seconds:.0f} s; load average at the end "
+          f"{facts['load_average_at_end']}")
+    if args.json:
+        report.write_json(args.json, {
+            "machine": facts, "compare": {"rev": args.compare, "commit": rev,
+                                          "pargrad": {s: runs[s][0]["pargrad"] for s in SIDES},
+                                          "rounds": rounds, "request": request},
+            "sides": sides, "rows": table, "targets": targets, "seconds": seconds})
+        print(f"wrote {args.json}")
+    return 0
