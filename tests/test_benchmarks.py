@@ -92,14 +92,25 @@ def test_smoke_run_of_the_whole_suite(tmp_path: Path, block: tuple[str, ...]) ->
     assert "targets (ratios of medians in this run)" in stdout
     has_matplotlib = importlib.util.find_spec("matplotlib") is not None
     assert plot.exists() == (has_matplotlib and not block)
-    dag = next(w for w in figures["workloads"] if w["name"] == "random-dag:12")
-    if importlib.util.find_spec("torch") is not None and not block:
-        assert {"torch", "torch(1)"} <= set(dag["contenders"])  # checked against sequential
-        assert "torch(1)" not in figures["workloads"][0]["contenders"]  # tiny nodes only
     if block:
         assert "no plot: needs matplotlib" in stdout
         assert "skipped torch: not installed" in stdout
         assert "skipped hips: not installed" in stdout
+
+
+def test_random_dags_run_pytorch_op_for_op(tmp_path: Path) -> None:
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("PyTorch is not installed (pip install -e '.[peers]')")
+    figures, _ = run_suite(tmp_path, "--only", "random-dag,fan-in")
+    fan_in, dag = figures["workloads"]
+    if figures["machine"]["cores"] > 1:
+        assert "torch(1)" in dag["contenders"] and "torch(1)" not in fan_in["contenders"]
+    torch = dag["contenders"]["torch"]  # its gradient was checked against sequential's
+    assert torch["kind"] == "peer" and torch["backward"]["median_s"] > 0
+    assert "torch" not in dag["skipped_peers"] and "hips" in dag["skipped_peers"]
+    assert f"threaded({figures['machine']['pargrad_default_workers']}) backward us per node" \
+        in figures["ratios"][dag["name"]]
+    assert "torch backward us per node" in figures["ratios"][dag["name"]]
 
 
 def test_only_selects_workloads(tmp_path: Path) -> None:
