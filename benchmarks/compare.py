@@ -110,14 +110,18 @@ def worker(tree: str, request_path: str) -> int:
     return 0
 
 
+class SideFailed(Exception):
+    """One side's subprocess did not finish its round."""
+
+
 def _run_side(tree: Path, request: dict[str, Any], out: Path) -> dict[str, Any]:
     path = out.with_suffix(".request.json")
     path.write_text(json.dumps({**request, "out": str(out)}))
     done = subprocess.run([sys.executable, "-c", _BOOT, str(tree), str(path)], cwd=ROOT)
     if done.returncode != 0:
-        raise RuntimeError(f"the benchmark run on {tree} failed (exit {done.returncode}, "
-                           "see above); the benchmark code of this tree must run on "
-                           "REV's pargrad")
+        raise SideFailed(f"the benchmark run on the pargrad of {tree} failed (exit "
+                         f"{done.returncode}, see above); both sides run this tree's "
+                         "benchmark code, which must therefore run on REV's pargrad too")
     return dict(json.loads(out.read_text()))
 
 
@@ -233,8 +237,12 @@ def compare(args: argparse.Namespace, only: list[str] | None, mode: str) -> int:
         for r in range(rounds):
             for side in SIDES if r % 2 == 0 else SIDES[::-1]:  # rev, now, now, rev, ...
                 print(f"round {r + 1}/{rounds}: {side}", flush=True)
-                runs[side].append(_run_side(trees[side], request,
-                                            Path(tmp) / f"{side}-{r}.json"))
+                try:
+                    runs[side].append(_run_side(trees[side], request,
+                                                Path(tmp) / f"{side}-{r}.json"))
+                except SideFailed as exc:
+                    print(f"compare: {exc}", file=sys.stderr)
+                    return 1
     if args.plot:
         print("no plot with --compare: the plots are of one tree's run")
     sides = {side: _pool(runs[side]) for side in SIDES}
