@@ -81,7 +81,7 @@ def ratios(workload: dict[str, Any], cores: int, default: str) -> dict[str, floa
     for name in (SEQUENTIAL, default, *TORCH):
         if name in workload["contenders"]:
             out[f"{name} backward us per node"] = median(workload, name) / nodes * 1e6
-    for peer in ("torch", "hips"):
+    for peer in (*TORCH, "hips"):
         if peer in workload["contenders"]:
             out[f"{default} forward+backward / {peer}"] = (
                 median(workload, default, "total") / median(workload, peer, "total"))
