@@ -6,6 +6,8 @@ nodes: ``broadcast_to`` is ``torch.broadcast_to``, ``split`` into ``n`` columns 
 ``torch.split`` node, and the recipe's custom Function ``Pair`` is a
 ``torch.autograd.Function`` with the same forward and backward. A step kind this module
 does not know raises ValueError (the strategies grew a step: translate it here too).
+Written for float64 recipes (the benchmark's): PyTorch does not promote a float32 tensor
+by a 0-d float64 one, where numpy's rules may.
 """
 
 from __future__ import annotations
