@@ -179,9 +179,12 @@ def memory_targets(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
             ratio = peak["current"] / peak["rev"]
             if ratio > worst.get(row["workload"], (-1.0, ""))[0]:
                 worst[row["workload"]] = (ratio, row["contender"])
-    return [{"target": f"{w}: largest peak memory, this tree / REV ({name})", "value": ratio,
-             "sign": "<=", "limit": 1.0, "holds": ratio <= 1.0,
-             "measured": "peak backward memory"} for w, (ratio, name) in worst.items()]
+    from benchmarks.report import _target
+    out: list[dict[str, Any]] = []
+    for w, (ratio, name) in worst.items():
+        _target(out, f"{w}: largest peak memory, this tree / REV ({name})", ratio, 1.0, False,
+                "peak backward memory")
+    return out
 
 
 def print_table(rev: str, table: list[dict[str, Any]]) -> None:
@@ -252,7 +255,7 @@ def compare(args: argparse.Namespace, only: list[str] | None, mode: str) -> int:
     targets = [*report.targets(sides["current"], current["cores"], current["default"]),
                *memory_targets(table)]
     if targets:
-        report.print_targets(targets)
+        report.print_targets(targets, mode)
     seconds = time.perf_counter() - started
     facts["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     print(f"\ncompare run took {seconds:.0f} s; load average at the end "
