@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     figures["targets"] = report.targets(figures["workloads"], s.cores, default,
                                         figures.get("sweep"))
     if figures["targets"]:
-        report.print_targets(figures["targets"])
+        report.print_targets(figures["targets"], mode)
     figures["seconds"] = time.perf_counter() - started
     facts["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     print(f"\n{mode} run took {figures['seconds']:.0f} s; load average at the end "

@@ -213,7 +213,7 @@ def print_overlap(o: dict[str, Any]) -> None:
     print(f"  parameters ready, ms after backward_async: {ready}")
 
 
-def print_targets(results: list[dict[str, Any]], mode: str | None = None) -> None:
+def print_targets(results: list[dict[str, Any]], mode: str) -> None:
     print("\ntargets (ratios of medians in this run):")
     width = max(len(r["target"]) for r in results) + 2
     for r in results:
