@@ -223,8 +223,14 @@ def compare(args: argparse.Namespace, only: list[str] | None, mode: str) -> int:
     from benchmarks import report
     from benchmarks.measure import machine_facts
     started = time.perf_counter()
-    rev = _git("rev-parse", "--verify", f"{args.compare}^{{commit}}")
-    changed = _git("status", "--porcelain", "--untracked-files=no", "--", "pargrad")
+    try:
+        rev = _git("rev-parse", "--verify", f"{args.compare}^{{commit}}")
+        changed = _git("status", "--porcelain", "--untracked-files=no", "--", "pargrad")
+    except (OSError, subprocess.CalledProcessError) as exc:
+        reason = getattr(exc, "stderr", None) or exc
+        print(f"compare: {args.compare!r} is not a commit of a git repository at {ROOT}: "
+              f"{str(reason).strip()}", file=sys.stderr)
+        return 2
     facts = machine_facts()
     rounds = args.rounds or ROUNDS[mode]
     request = {"mode": mode, "rounds": rounds, "only": only, "peers": not args.no_peers,

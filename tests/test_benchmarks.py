@@ -159,6 +159,16 @@ def test_compare_runs_this_tree_against_a_revision(tmp_path: Path) -> None:
                for t in figures["targets"])
 
 
+def test_compare_with_an_unknown_revision_says_so() -> None:
+    if not _git_checkout():
+        pytest.skip("needs git and this repository's history (git rev-parse HEAD failed)")
+    result = subprocess.run([sys.executable, "-m", "benchmarks", "--smoke", "--compare",
+                             "no-such-revision"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2
+    assert "'no-such-revision' is not a commit of a git repository" in result.stderr
+
+
 @settings(max_examples=30, deadline=None)
 @given(recipe=graph_recipes())
 def test_torch_translation_of_random_dags_is_op_for_op(recipe: object) -> None:
