@@ -155,8 +155,10 @@ def test_compare_runs_this_tree_against_a_revision(tmp_path: Path) -> None:
     assert figures["sides"]["rev"][0]["repeats"] == 2  # one per round, pooled
     assert "before/after: medians in ms on HEAD (rev)" in stdout
     assert "tiny-chain per op" in stdout
-    assert any(t["target"].startswith("tiny-chain: largest peak memory, this tree / REV")
-               for t in figures["targets"])
+    memory = [t for t in figures["targets"]
+              if t["target"] == "tiny-chain: sequential peak memory, this tree / REV"]
+    assert len(memory) == 1 and memory[0]["value"] == pytest.approx(
+        sequential["peak_backward_bytes"]["current"] / sequential["peak_backward_bytes"]["rev"])
 
 
 def test_compare_with_an_unknown_revision_says_so() -> None:
