@@ -3,20 +3,22 @@ by side in one run.
 
 REV's ``pargrad/`` (only that folder) is extracted with ``git archive`` into a temporary
 folder, removed afterwards whatever happens (an error, Ctrl-C); nothing is added to the
-repository (no worktree to prune). Then rounds of measurement alternate between the two
-trees, each in a fresh subprocess, the order flipping every round (REV, this tree, this
-tree, REV, ...) so that a noisy stretch hits both alike. A subprocess puts its tree first
-on ``sys.path``, checks that ``pargrad`` comes from there, and runs the benchmark code
-of *this* tree (``benchmarks/``, ``tests/strategies.py``), so that both sides run the
-very same workloads; the benchmark code must therefore run on REV's pargrad too.
+repository (no worktree to prune). Each tree gets one long-lived process (``worker``),
+which puts its tree first on ``sys.path``, checks that ``pargrad`` comes from there, and
+runs the benchmark code of *this* tree (``benchmarks/``, ``tests/strategies.py``), so that
+both sides run the very same workloads; the benchmark code must therefore run on REV's
+pargrad too. Then, workload by workload, rounds alternate between the two processes
+(REV, this tree, this tree, REV, ...; the other one waits), so that a noisy stretch of a
+few seconds hits both sides of a workload alike; a run in which each process went
+through every workload at once measured ratios from 0.06 to 1.9 between two trees with
+the same pargrad on a busy machine.
 
-Each round runs every selected workload with its share of the repeats (the settings of
-the mode divided by the rounds, after the gradient check and one warm-up run, since every
-round is a fresh process) and the mode's memory passes; the samples of the rounds
-are pooled per side, and the table gives, for every contender both sides ran, the
-medians and REV's over this tree's (above 1: this tree is faster), the peak backward
-memory of both, and on tiny-chain the cost per op. Then the targets, measured on this
-tree's side, and the peak memory against REV's.
+A round runs the workload's share of the repeats (the settings of the mode divided by
+the rounds, after the gradient check and one warm-up run) and the mode's memory passes;
+the samples of the rounds are pooled per side, and the table gives, for every contender
+both sides ran, the medians and REV's over this tree's (above 1: this tree is faster),
+the peak backward memory of both, and on tiny-chain the cost per op. Then the targets,
+measured on this tree's side, and the reference's peak memory against REV's.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import tarfile
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -73,77 +75,111 @@ def materialised(rev: str) -> Iterator[Path]:
         yield Path(folder)
 
 
-# ----- one side of one round, in its own process -----
-def worker(tree: str, request_path: str) -> int:
-    """Run the request's workloads on the pargrad of ``tree`` (first on ``sys.path``)
-    and write their figures where the request says."""
+# ----- one tree's side: a long-lived process that runs a workload's share on request -----
+def worker(tree: str, request_json: str) -> int:
+    """Serve the parent: for each line on stdin (a workload's name and a file), run that
+    workload's share of the repeats on the pargrad of ``tree`` (first on ``sys.path``),
+    write its figures to the file, then answer ``done`` on stdout. Ends at EOF."""
     import pargrad
     here = Path(pargrad.__file__).resolve()
     assert here.is_relative_to(Path(tree).resolve()), f"pargrad from {here}, not {tree}"
-    from benchmarks.__main__ import _selected
     from benchmarks.measure import machine_facts
     from benchmarks.suite import contenders, run_workload, settings
     from benchmarks.workloads import make_workloads
-    request = json.loads(Path(request_path).read_text())
-    mode, rounds, only = request["mode"], request["rounds"], request["only"]
-    facts = machine_facts()
-    full = settings(mode, tuple(request["workers"]), facts["cores"])
+    answers, sys.stdout = sys.stdout, sys.stderr  # stdout is the parent's; prints go aside
+    request = json.loads(request_json)
+    mode, rounds = request["mode"], request["rounds"]
+    full = settings(mode, tuple(request["workers"]), machine_facts()["cores"])
     s = dataclasses.replace(full, repeats=math.ceil(full.repeats / rounds),
                             max_repeats=math.ceil(full.max_repeats / rounds),
                             budget_s=full.budget_s / rounds,
                             warmup=min(full.warmup, 1))  # the gradient check runs first too
-    results = []
+    makers, made_workloads = make_workloads(mode), {}
     with contenders(s.workers, s.cores, use_peers=request["peers"]) as made:
         gc.freeze()
-        for name, make in make_workloads(mode).items():
-            if not _selected(name, only):
-                continue
+        for line in sys.stdin:
+            order = json.loads(line)
+            name, figures = order["workload"], {"pargrad": str(here), "cores": s.cores,
+                                                "default": f"threaded({made.default_workers})"}
             try:
-                workload = make()
+                if name not in made_workloads:
+                    made_workloads[name] = makers[name]()
+                figures["workload"] = run_workload(made_workloads[name], made, s)
             except ImportError as exc:  # the random DAGs without hypothesis
-                print(f"skipped {name}: {exc}")
-                continue
-            results.append(run_workload(workload, made, s))
-    Path(request["out"]).write_text(json.dumps(
-        {"pargrad": str(here), "default": f"threaded({made.default_workers})",
-         "cores": s.cores, "workloads": results}))
+                figures["skipped"] = str(exc)
+            Path(order["out"]).write_text(json.dumps(figures))
+            answers.write("done\n")
+            answers.flush()
     return 0
 
 
 class SideFailed(Exception):
-    """One side's subprocess did not finish its round."""
+    """One side's process did not finish a workload."""
 
 
-def _run_side(tree: Path, request: dict[str, Any], out: Path) -> dict[str, Any]:
-    path = out.with_suffix(".request.json")
-    path.write_text(json.dumps({**request, "out": str(out)}))
-    done = subprocess.run([sys.executable, "-c", _BOOT, str(tree), str(path)], cwd=ROOT)
-    if done.returncode != 0:
-        raise SideFailed(f"the benchmark run on the pargrad of {tree} failed (exit "
-                         f"{done.returncode}, see above); both sides run this tree's "
-                         "benchmark code, which must therefore run on REV's pargrad too")
-    return dict(json.loads(out.read_text()))
+class Side:
+    """The process of one tree (``worker``), started with the run's request."""
+
+    def __init__(self, tree: Path, request: dict[str, Any]) -> None:
+        self.tree = tree
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", _BOOT, str(tree), json.dumps(request)], cwd=ROOT,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def run(self, workload: str, out: Path) -> dict[str, Any]:
+        """The figures of one share of ``workload`` (blocks until it ran)."""
+        assert self.process.stdin is not None and self.process.stdout is not None
+        with suppress(BrokenPipeError):  # it died: readline says so below
+            self.process.stdin.write(json.dumps({"workload": workload, "out": str(out)}) + "\n")
+            self.process.stdin.flush()
+        if self.process.stdout.readline().strip() != "done":
+            raise SideFailed(f"the benchmark process on the pargrad of {self.tree} failed "
+                             f"on {workload} (exit {self.process.wait()}, see above); both "
+                             "sides run this tree's benchmark code, which must therefore run "
+                             "on REV's pargrad too")
+        return dict(json.loads(out.read_text()))
+
+    def close(self) -> None:
+        """End the process: EOF, then a kill if it does not end within 10 s."""
+        if self.process.stdin is not None:
+            with suppress(BrokenPipeError):
+                self.process.stdin.close()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+@contextmanager
+def running(trees: dict[str, Path], request: dict[str, Any]) -> Iterator[dict[str, Side]]:
+    """A running ``Side`` per tree, ended on leaving (an error, Ctrl-C)."""
+    sides: dict[str, Side] = {}
+    try:
+        for name, tree in trees.items():
+            sides[name] = Side(tree, request)
+        yield sides
+    finally:
+        for side in sides.values():
+            side.close()
 
 
 # ----- pooling the rounds, the table -----
-def _pool(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The workloads of several rounds of one side as one run: samples pooled, the
-    largest peak memory."""
+def _pool(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The rounds of one workload on one side as one run: samples pooled, the largest
+    peak memory."""
     from benchmarks.measure import summary
-    pooled = []
-    for parts in zip(*(run["workloads"] for run in runs)):
-        first = parts[0]
-        merged = {**first, "repeats": sum(p["repeats"] for p in parts),
-                  "seconds": sum(p["seconds"] for p in parts), "contenders": {}}
-        for name, c in first["contenders"].items():
-            merged["contenders"][name] = {
-                **c, **{part: summary(s for p in parts
-                                      for s in p["contenders"][name][part]["samples_s"])
-                        for part in ("forward", "backward", "total")},
-                "peak_backward_bytes": None if c["peak_backward_bytes"] is None else
-                max(p["contenders"][name]["peak_backward_bytes"] for p in parts)}
-        pooled.append(merged)
-    return pooled
+    first = parts[0]
+    merged = {**first, "repeats": sum(p["repeats"] for p in parts),
+              "seconds": sum(p["seconds"] for p in parts), "contenders": {}}
+    for name, c in first["contenders"].items():
+        merged["contenders"][name] = {
+            **c, **{part: summary(s for p in parts
+                                  for s in p["contenders"][name][part]["samples_s"])
+                    for part in ("forward", "backward", "total")},
+            "peak_backward_bytes": None if c["peak_backward_bytes"] is None else
+            max(p["contenders"][name]["peak_backward_bytes"] for p in parts)}
+    return merged
 
 
 def rows(rev: list[dict[str, Any]], current: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -218,6 +254,34 @@ def print_table(rev: str, table: list[dict[str, Any]]) -> None:
             print(f"  {row['contender']:<28}{cells}")
 
 
+def _interleaved(trees: dict[str, Path], request: dict[str, Any], names: list[str]
+                 ) -> tuple[dict[str, dict[str, list[dict[str, Any]]]], dict[str, Any]]:
+    """Each workload's rounds on both trees in turn (REV, this tree, this tree, REV,
+    ...): the figures of every round per side and workload, and what this tree's
+    process says of itself (cores, default engine; ``pargrad``: each side's module).
+    Raises SideFailed."""
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {side: {} for side in SIDES}
+    answer: dict[str, Any] = {"pargrad": {}}
+    with tempfile.TemporaryDirectory(prefix="pargrad-runs-") as tmp, \
+            running(trees, request) as sides:
+        for name in names:
+            for r in range(request["rounds"]):
+                print(f"{name}, round {r + 1}/{request['rounds']}", flush=True)
+                order = SIDES if r % 2 == 0 else SIDES[::-1]  # rev, now, now, rev, ...
+                figures = {side: sides[side].run(name, Path(tmp) / f"{side}.json")
+                           for side in order}
+                reason = next((f["skipped"] for f in figures.values() if "skipped" in f), None)
+                if reason is not None:
+                    print(f"skipped {name}: {reason}")
+                    break
+                for side, answered in figures.items():
+                    runs[side].setdefault(name, []).append(answered["workload"])
+                    answer["pargrad"][side] = answered["pargrad"]
+                answer.update(cores=figures["current"]["cores"],
+                              default=figures["current"]["default"])
+    return runs, answer
+
+
 def compare(args: argparse.Namespace, only: list[str] | None, mode: str) -> int:
     """The ``--compare`` run of ``python -m benchmarks`` (``args`` as it parsed them)."""
     from benchmarks import report
@@ -239,26 +303,22 @@ def compare(args: argparse.Namespace, only: list[str] | None, mode: str) -> int:
     print(f"compare: {args.compare} = {rev[:12]} against this tree (HEAD "
           f"{_git('rev-parse', '--short=12', 'HEAD')}"
           f"{', with changes to pargrad/' if changed else ''}); {mode} run in {rounds} "
-          f"rounds of both, each side in its own process")
-    runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
-    with materialised(rev) as old, tempfile.TemporaryDirectory(prefix="pargrad-runs-") as tmp:
-        trees = {"rev": old, "current": ROOT}
-        for r in range(rounds):
-            for side in SIDES if r % 2 == 0 else SIDES[::-1]:  # rev, now, now, rev, ...
-                print(f"round {r + 1}/{rounds}: {side}", flush=True)
-                try:
-                    runs[side].append(_run_side(trees[side], request,
-                                                Path(tmp) / f"{side}-{r}.json"))
-                except SideFailed as exc:
-                    print(f"compare: {exc}", file=sys.stderr)
-                    return 1
+          f"rounds of each workload on both, each tree in its own process")
+    from benchmarks.__main__ import _selected
+    from benchmarks.workloads import make_workloads
+    names = [name for name in make_workloads(mode) if _selected(name, only)]
+    try:
+        with materialised(rev) as old:
+            runs, answer = _interleaved({"rev": old, "current": ROOT}, request, names)
+    except SideFailed as exc:
+        print(f"compare: {exc}", file=sys.stderr)
+        return 1
     if args.plot:
         print("no plot with --compare: the plots are of one tree's run")
-    sides = {side: _pool(runs[side]) for side in SIDES}
-    table = rows(sides["rev"], sides["current"])
+    pooled = {side: [_pool(parts) for parts in runs[side].values()] for side in SIDES}
+    table = rows(pooled["rev"], pooled["current"])
     print_table(args.compare, table)
-    current = runs["current"][0]
-    targets = [*report.targets(sides["current"], current["cores"], current["default"]),
+    targets = [*report.targets(pooled["current"], answer["cores"], answer["default"]),
                *memory_targets(table)]
     if targets:
         report.print_targets(targets, mode)
@@ -269,8 +329,8 @@ def compare(args: argparse.Namespace, only: list[str] | None, mode: str) -> int:
     if args.json:
         report.write_json(args.json, {
             "machine": facts, "compare": {"rev": args.compare, "commit": rev,
-                                          "pargrad": {s: runs[s][0]["pargrad"] for s in SIDES},
-                                          "rounds": rounds, "request": request},
-            "sides": sides, "rows": table, "targets": targets, "seconds": seconds})
+                                          "pargrad": answer["pargrad"], "rounds": rounds,
+                                          "request": request},
+            "sides": pooled, "rows": table, "targets": targets, "seconds": seconds})
         print(f"wrote {args.json}")
     return 0
