@@ -11,6 +11,8 @@ Warns at the top and the bottom when the load average says the machine is busy.
 ``--json`` saves every figure (each sample); ``--plot`` draws the speed-ups as a PNG
 (matplotlib). Compare figures within one run only: the ratios are what carries over, not
 the times.
+``--compare REV [--rounds N]`` runs the workloads on this tree and on git revision REV,
+interleaved, and prints REV's medians over this tree's (``benchmarks/compare.py``).
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ import time
 from typing import Any
 
 from benchmarks import report
+from benchmarks.compare import add_arguments, compare
 from benchmarks.data_parallel import NAME as DATA_PARALLEL
 from benchmarks.data_parallel import print_data_parallel, run_data_parallel
 from benchmarks.measure import machine_facts
 from benchmarks.overlap import NAME as OVERLAP
 from benchmarks.overlap import run_overlap
 from benchmarks.peers import versions
-from benchmarks.suite import contenders, run_widths, run_workload, settings
+from benchmarks.suite import contenders, run_sweep, run_widths, run_workload, settings
 from benchmarks.workloads import make_workloads
 
 WIDE = ("wide-matmul", "wide-elementwise")
@@ -63,6 +66,7 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", metavar="FILE", help="write every figure to FILE")
     parser.add_argument("--plot", metavar="FILE", help="draw the speed-ups into FILE (PNG)")
     parser.add_argument("--no-peers", action="store_true", help="skip PyTorch and HIPS")
+    add_arguments(parser)  # --compare REV, --rounds N
     return parser.parse_args(argv)
 
 
@@ -70,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _arguments(argv)
     only = args.only.split(",") if args.only else None
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    if args.compare:
+        return compare(args, only, mode)
     facts = machine_facts()
     workers = tuple(sorted({int(w) for w in args.workers.split(",")}
                            | {facts["pargrad_default_workers"]}))
@@ -107,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             if _selected(name, only):
                 measured = next(w for w in figures["workloads"] if w["name"] == name)
                 figures["widths"][name] = run_widths(name, made, s, measured)
+        if "wide-elementwise" in figures["widths"]:
+            figures["sweep"] = run_sweep(made, s)
     if _selected(OVERLAP, only):
         figures["overlap"] = run_overlap(mode, s.repeats)
         report.print_overlap(figures["overlap"])
@@ -116,9 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     default = f"threaded({made.default_workers})"
     if figures["widths"]:
         report.print_widths(figures["widths"])
+    if "sweep" in figures:
+        report.print_sweep(figures["sweep"])
     figures["ratios"] = {w["name"]: report.ratios(w, s.cores, default)
                          for w in figures["workloads"]}
-    figures["targets"] = report.targets(figures["workloads"], s.cores, default)
+    figures["targets"] = report.targets(figures["workloads"], s.cores, default,
+                                        figures.get("sweep"))
     if figures["targets"]:
         report.print_targets(figures["targets"], mode)
     figures["seconds"] = time.perf_counter() - started

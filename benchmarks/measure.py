@@ -27,6 +27,8 @@ from benchmarks.workloads import Trial
 
 def time_trial(trial: Trial) -> tuple[float, float, np.ndarray]:
     """One run: (forward seconds, backward seconds, the checked gradient)."""
+    if trial.prepare is not None:
+        trial.prepare()
     gc.collect()
     start = time.perf_counter()
     state = trial.forward()

@@ -3,7 +3,11 @@
 - ``torch``: PyTorch's CPU autograd (``loss.backward()``), with ``torch.set_num_threads``
   at the thread count the suite gives it (the cores: what numpy's BLAS and pargrad's
   default engine use). PyTorch runs the CPU nodes of one backward one at a time on the
-  calling thread; its kernels use its own intra-op threads.
+  calling thread; its kernels use its own intra-op threads. ``torch(1)``: the same at
+  one intra-op thread, on the workloads of tiny nodes only (where more threads are
+  erratic; the targets take the faster of the two). Each trial sets its thread count,
+  untimed, before its forward. The random DAGs run their PyTorch translation
+  (``benchmarks/torch_recipes.py``).
 - ``hips``: HIPS autograd (``autograd.grad``), which records the forward inside
   ``grad``: its trials are *fused* (forward and backward timed together).
 
@@ -18,9 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.workloads import Ops, Trial, Workload
+from benchmarks import torch_recipes
+from benchmarks.workloads import Ops, RandomDag, Trial, Workload
 
 PEERS = ("torch", "hips")
+TORCH = ("torch", "torch(1)")  # the names of PyTorch's contenders
 
 
 def load(threads: int) -> tuple[dict[str, Any], dict[str, str]]:
@@ -34,6 +40,8 @@ def load(threads: int) -> tuple[dict[str, Any], dict[str, str]]:
     else:
         torch.set_num_threads(threads)
         found["torch"] = torch
+        if threads > 1:
+            found["torch(1)"] = torch
     try:
         import autograd
         import autograd.numpy
@@ -74,16 +82,22 @@ def _torch_blas(torch: Any) -> str:
     return "unknown"
 
 
-def trial(peer: str, module: Any, workload: Workload) -> Trial | str:
-    """``workload`` on ``peer``, or the reason it cannot run there."""
+def trial(peer: str, module: Any, workload: Workload, cores: int) -> Trial | str | None:
+    """``workload`` on ``peer`` (``cores``: the intra-op threads of ``torch``), the
+    reason it cannot run there, or None where ``peer`` is not meant to run it."""
+    if peer == "torch(1)" and not workload.tiny_nodes:
+        return None
+    threads = 1 if peer == "torch(1)" else cores
+    if peer in TORCH and isinstance(workload, RandomDag):
+        return torch_recipes.trial(module, workload, threads)
     if not workload.portable:
         return "its graph is built by the test suite's recipe in pargrad ops only"
-    if peer == "torch":
-        return _torch_trial(module, workload)
+    if peer in TORCH:
+        return _torch_trial(module, workload, threads)
     return _hips_trial(module, workload)
 
 
-def _torch_trial(torch: Any, workload: Workload) -> Trial:
+def _torch_trial(torch: Any, workload: Workload, threads: int) -> Trial:
     ops = Ops(const=torch.from_numpy, tanh=torch.tanh, relu=torch.relu, sum=torch.sum,
               mean=torch.mean, log_softmax=lambda x, axis: torch.log_softmax(x, dim=axis))
     leaves = [torch.from_numpy(a).requires_grad_() for a in workload.arrays]
@@ -96,7 +110,7 @@ def _torch_trial(torch: Any, workload: Workload) -> Trial:
     def backward(loss: Any) -> np.ndarray:
         loss.backward()
         return leaves[0].grad.numpy()
-    return Trial(forward, backward)
+    return Trial(forward, backward, prepare=lambda: torch.set_num_threads(threads))
 
 
 def _hips_trial(autograd: Any, workload: Workload) -> Trial:

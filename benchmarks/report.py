@@ -13,6 +13,21 @@ benchmark issue (docs/performance.md), for this 2-core machine:
   autograd's (whose trials are forward and backward in one);
 - every workload: every ThreadedEngine contender's peak backward memory <= 1.25 x the
   reference's.
+
+And those of issue #12 (the per-op cost), where "fastest torch" is the faster of
+``torch`` (at the cores' intra-op threads) and ``torch(1)`` (at one):
+
+- tiny-chain: the default engine's forward + backward per op <= 1.0 x the fastest torch's
+  and <= 0.6 x HIPS autograd's; its backward per node <= the fastest torch's;
+- random-dag: the default engine's backward per node <= 1.2 x the fastest torch's (the
+  same graph op for op), and every ThreadedEngine contender's backward <= 1.03 x the
+  reference's;
+- fan-in: the deterministic contender's backward <= 1.05 x the reference's;
+- wide-matmul: every ThreadedEngine contender's backward speed-up >= 0.97;
+- wide-elementwise sweep (branches, depth and size varied): threaded(2)'s and the
+  default engine's speed-up >= 0.9 x the ceiling's at every point.
+
+Peak memory against an earlier commit: ``benchmarks/compare.py``.
 """
 
 from __future__ import annotations
@@ -21,6 +36,7 @@ import json
 import re
 from typing import Any
 
+from benchmarks.peers import TORCH
 from benchmarks.suite import SEQUENTIAL, ceiling_names
 
 
@@ -63,10 +79,10 @@ def ratios(workload: dict[str, Any], cores: int, default: str) -> dict[str, floa
         if seq_peak:
             out[f"{name} peak memory / sequential"] = peak / seq_peak
     nodes = workload["nodes"]
-    for name in (SEQUENTIAL, default, "torch"):
+    for name in (SEQUENTIAL, default, *TORCH):
         if name in workload["contenders"]:
             out[f"{name} backward us per node"] = median(workload, name) / nodes * 1e6
-    for peer in ("torch", "hips"):
+    for peer in (*TORCH, "hips"):
         if peer in workload["contenders"]:
             out[f"{default} forward+backward / {peer}"] = (
                 median(workload, default, "total") / median(workload, peer, "total"))
@@ -110,9 +126,22 @@ def _target(results: list[dict[str, Any]], what: str, value: float | None, limit
                     "expected_failure": expected_failure(what)})
 
 
-def targets(workloads: list[dict[str, Any]], cores: int, default: str) -> list[dict[str, Any]]:
+def fastest(workload: dict[str, Any], names: tuple[str, ...], part: str) -> float | None:
+    """The smallest median of ``part`` among the contenders ``names`` that ran."""
+    times = [median(workload, n, part) for n in names if n in workload["contenders"]]
+    return min(times) if times else None
+
+
+def _over(workload: dict[str, Any], contender: str, other: float | None,
+          part: str) -> float | None:
+    return None if other is None else median(workload, contender, part) / other
+
+
+def targets(workloads: list[dict[str, Any]], cores: int, default: str,
+            sweep: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Each target of the issue with its measured value (None where it could not be
-    measured: a peer not installed, a contender not run)."""
+    measured: a peer not installed, a contender not run). ``sweep``: the rows of
+    ``suite.run_sweep``, if it ran."""
     out: list[dict[str, Any]] = []
     for w in workloads:
         name, present = w["name"], w["contenders"]
@@ -127,11 +156,30 @@ def targets(workloads: list[dict[str, Any]], cores: int, default: str) -> list[d
         if name == "tiny-chain" or name == "fan-in" or name.startswith("random-dag"):
             worst = max(threaded, key=lambda t: median(w, t))
             _target(out, f"{name}: slowest threaded / sequential ({worst})",
-                    median(w, worst) / reference, 1.05, False, "backward")
+                    median(w, worst) / reference,
+                    1.03 if name.startswith("random-dag") else 1.05, False, "backward")
         if name == "tiny-chain":
-            value = median(w, default) / median(w, "torch") if "torch" in present else None
-            _target(out, f"{name}: {default} / torch, backward per node", value, 1.0, False,
-                    "backward")
+            value = _over(w, default, fastest(w, TORCH, "backward"), "backward")
+            _target(out, f"{name}: {default} / fastest torch, backward per node", value, 1.0,
+                    False, "backward")
+            value = _over(w, default, fastest(w, TORCH, "total"), "total")
+            _target(out, f"{name}: {default} / fastest torch, forward+backward per op", value,
+                    1.0, False, "forward + backward")
+            value = _over(w, default, fastest(w, ("hips",), "total"), "total")
+            _target(out, f"{name}: {default} / hips, forward+backward per op", value, 0.6,
+                    False, "forward + backward")
+        if name.startswith("random-dag"):
+            value = _over(w, default, fastest(w, TORCH, "backward"), "backward")
+            _target(out, f"{name}: {default} / fastest torch, backward per node", value, 1.2,
+                    False, "backward")
+        if name == "fan-in":
+            for t in (t for t in threaded if "deterministic" in t):
+                _target(out, f"{name}: {t} / sequential", median(w, t) / reference, 1.05,
+                        False, "backward")
+        if name == "wide-matmul":
+            worst = max(threaded, key=lambda t: median(w, t))
+            _target(out, f"{name}: slowest threaded speed-up ({worst})",
+                    reference / median(w, worst), 0.97, True, "backward")
         if name == "mlp-step":
             for peer, limit in (("torch", 1.15), ("hips", 1.0)):
                 value = (median(w, default, "total") / median(w, peer, "total")
@@ -144,7 +192,19 @@ def targets(workloads: list[dict[str, Any]], cores: int, default: str) -> list[d
             _target(out, f"{name}: largest threaded peak memory / sequential ({worst})",
                     present[worst]["peak_backward_bytes"] / seq_peak, 1.25, False,
                     "peak backward memory")
+    for engine in dict.fromkeys(["threaded(2)", default]):
+        if sweep and engine in next(iter(sweep.values())):
+            point = min(sweep, key=lambda k: _of_ceiling(sweep[k], engine, cores))
+            _target(out, f"wide-elementwise sweep: worst {engine} speed-up / ceiling "
+                    f"speed-up ({point})", _of_ceiling(sweep[point], engine, cores), 0.9,
+                    True, "backward")
     return out
+
+
+def _of_ceiling(row: dict[str, Any], engine: str, cores: int) -> float:
+    """``engine``'s backward speed-up over the ceiling's in one row of the sweep."""
+    _, threads, _ = ceiling_names(cores)
+    return float(row[threads]["median_s"] / row[engine]["median_s"])
 
 
 # ----- the terminal -----
@@ -251,6 +311,17 @@ def print_widths(widths: dict[str, Any]) -> None:
             reference = row[SEQUENTIAL]["median_s"]
             print(f"  {width:<8}" + "".join(f"{reference / row[c]['median_s']:>22.3f}"
                                            for c in columns))
+
+
+def print_sweep(rows: dict[str, Any]) -> None:
+    print("\nwide-elementwise sweep (branches x depth x elements): backward speed-up over "
+          "sequential")
+    columns = [c for c in next(iter(rows.values())) if c != SEQUENTIAL]
+    print(f"  {'shape':<16}" + "".join(f"{c:>16}" for c in columns))
+    for shape, row in rows.items():
+        reference = row[SEQUENTIAL]["median_s"]
+        print(f"  {shape:<16}" + "".join(f"{reference / row[c]['median_s']:>16.3f}"
+                                         for c in columns))
 
 
 def write_json(path: str, figures: dict[str, Any]) -> None:

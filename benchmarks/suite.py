@@ -27,7 +27,14 @@ import numpy as np
 import pargrad
 from benchmarks import peers
 from benchmarks.measure import measure, peak_backward_bytes, summary, time_trial
-from benchmarks.workloads import Branchy, Trial, Workload, make_wide
+from benchmarks.workloads import (
+    ELEMENTWISE_SWEEP,
+    Branchy,
+    Trial,
+    WideElementwise,
+    Workload,
+    make_wide,
+)
 
 SEQUENTIAL = "sequential"
 
@@ -121,7 +128,9 @@ def trials_of(workload: Workload, made: Contenders, cores: int
             trials[name], kinds[name] = ceiling, "ceiling"
     skipped = dict(made.skipped_peers)
     for name, module in made.peers.items():
-        made_trial = peers.trial(name, module, workload)
+        made_trial = peers.trial(name, module, workload, cores)
+        if made_trial is None:
+            continue
         if isinstance(made_trial, str):
             skipped[name] = made_trial
         else:
@@ -232,6 +241,29 @@ def run_widths(name: str, made: Contenders, s: Settings,
             samples = measure(chosen, s.width_repeats, 0, bar.update)
             rows[str(width)] = {key: summary(times["backward"])
                                 for key, times in samples.items()}
+    finally:
+        bar.close()
+    return rows
+
+
+def run_sweep(made: Contenders, s: Settings) -> dict[str, Any]:
+    """Backward medians of the reference, each threaded(w) and the ceiling on ``cores``
+    threads on wide-elementwise at each (branches, depth, elements) of
+    ``ELEMENTWISE_SWEEP[s.mode]``, keyed ``"BxDxN"``."""
+    _, threads, _ = ceiling_names(s.cores)
+    wanted = [SEQUENTIAL, *[f"threaded({w})" for w in s.workers], threads]
+    shapes = ELEMENTWISE_SWEEP[s.mode]
+    rows: dict[str, Any] = {}
+    bar = progress(len(shapes) * len(wanted) * (1 + s.width_repeats), "wide-elementwise sweep")
+    try:
+        for branches, depth, size in shapes:
+            workload = WideElementwise(branches, depth, size)
+            trials, _, _ = trials_of(workload, made, s.cores)
+            chosen = {key: trials[key] for key in wanted}
+            check(chosen, bar.update)
+            samples = measure(chosen, s.width_repeats, 0, bar.update)
+            rows[f"{branches}x{depth}x{size}"] = {key: summary(times["backward"])
+                                                  for key, times in samples.items()}
     finally:
         bar.close()
     return rows

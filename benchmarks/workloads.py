@@ -35,11 +35,13 @@ class Trial:
     """One way of computing a workload's gradient. ``forward()`` builds the state that
     ``backward(state)`` needs and is timed apart; ``backward`` returns the checked
     gradient. ``fused``: the library has no separate forward (HIPS autograd traces the
-    forward inside ``grad``), so ``forward`` does nothing and ``backward`` is both."""
+    forward inside ``grad``), so ``forward`` does nothing and ``backward`` is both.
+    ``prepare``: called untimed before each forward (PyTorch's thread count)."""
 
     forward: Callable[[], Any]
     backward: Callable[[Any], np.ndarray]
     fused: bool = False
+    prepare: Callable[[], object] | None = None
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,7 @@ class Workload:
     width: int | None = None  # independent branches, for the plot against graph width
     calls_blas = False  # its backward runs matmuls (BLAS threads matter)
     portable = True  # its graph is written over Ops, so the peers can build it too
+    tiny_nodes = False  # nodes so small that PyTorch runs at 1 intra-op thread too
     _leaves: list[pargrad.Tensor] | None = None
 
     def graph(self, ops: Ops, leaves: list[Any]) -> Any:
@@ -293,7 +296,7 @@ class FanIn(Branchy):
 class TinyChain(Workload):
     """``ops`` small ops one after another: the engine's cost per node."""
 
-    name = "tiny-chain"
+    name, tiny_nodes = "tiny-chain", True
 
     def __init__(self, ops: int = 3000, size: int = 100) -> None:
         self.ops, self.size = ops, size
@@ -342,9 +345,10 @@ class RandomDag(Workload):
     fan-in, multi-output custom Functions, broadcasting; arrays of at most 3x3. Its roots
     are every value that no later step uses (the recipe's own roots reach only a few
     steps), each with a random root gradient, in one backward call. Not portable: the
-    recipe builds pargrad graphs (with a pargrad Function), so no peer runs it."""
+    recipe builds pargrad graphs (with a pargrad Function); PyTorch runs its translation
+    op for op (``benchmarks/torch_recipes.py``), HIPS autograd does not run it."""
 
-    portable = False
+    portable, tiny_nodes = False, True
 
     def __init__(self, steps: int, seed: int = 4) -> None:
         self.name = f"random-dag:{steps}"
@@ -427,6 +431,16 @@ def make_workloads(mode: str) -> dict[str, Callable[[], Workload]]:
     for steps in RANDOM_DAG_STEPS[mode]:
         made[f"random-dag:{steps}"] = functools.partial(RandomDag, steps)
     return made
+
+
+ELEMENTWISE_SWEEP: dict[str, tuple[tuple[int, int, int], ...]] = {
+    "full": (*((b, d, 300_000) for b in (2, 6, 8) for d in (2, 4)),
+             (6, 4, 30_000), (6, 4, 1_000_000), (2, 2, 30_000)),
+    "quick": ((2, 2, 30_000), (6, 4, 300_000), (8, 2, 1_000_000)),
+    "smoke": ((2, 2, 1000), (3, 1, 2000)),
+}
+"""(branches, depth, elements) of the wide-elementwise sweep: the engine against the
+plain-threads ceiling away from the suite's own size (6 x 4 on 3e5 was the worst seen)."""
 
 
 def make_wide(name: str, mode: str, width: int) -> Branchy:
