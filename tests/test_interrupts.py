@@ -268,9 +268,19 @@ def test_ctrl_c_in_result_cancels_and_commits_nothing(where: str) -> None:
         not os.environ.get("PARGRAD_STRESS"), reason="set PARGRAD_STRESS=1 (slow)")]),
 ])
 def test_random_sigint_two_callers_no_hang_no_partial_commit(interrupts: int) -> None:
+    import gc
+
     from tests.stress_sigint import run
 
-    tally = run(interrupts, watchdog=False)  # pytest-timeout bounds it here
+    # A SIGINT that lands in a garbage-collector callback (hypothesis installs one once
+    # it is imported, as in the full suite) is reported as unraisable, not raised: the
+    # stress is about pargrad's code, so it runs without other libraries' callbacks.
+    callbacks = gc.callbacks[:]
+    gc.callbacks.clear()
+    try:
+        tally = run(interrupts, watchdog=False)  # pytest-timeout bounds it here
+    finally:
+        gc.callbacks[:] = callbacks
     assert tally.interrupts == interrupts
     assert tally.partial == 0 and tally.wrong == 0 and not tally.hangs, tally
     assert tally.raised_in_backward > 0 and tally.other_calls > 0, tally
