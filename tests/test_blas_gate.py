@@ -79,8 +79,25 @@ def test_no_more_blas_nodes_at_once_than_the_gate_allows(
                 got = wide_matmul_grads(engine)
                 np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
             handed = engine.statistics().handed_off
-    assert handed > 0  # the branches really ran on several threads
-    assert 1 <= most_in_gate[0] <= size
+    if size > 1:
+        assert handed > 0  # the branches really ran on several threads
+        assert 1 <= most_in_gate[0] <= size
+    else:  # BLAS on every core and BLAS work dominating: the caller runs it all inline
+        assert handed == 0
+        assert most_in_gate[0] <= size
+
+
+def test_blas_dominated_backward_stays_on_the_caller_while_blas_uses_every_core() -> None:
+    want = wide_matmul_grads(pargrad.SequentialEngine())
+    with (threadpool_limits(limits=available_cores(), user_api="blas"),
+          pargrad.ThreadedEngine(workers=2, handoff_threshold=1) as engine):
+        np.testing.assert_array_equal(wide_matmul_grads(engine), want)  # bitwise
+        assert engine.threads() == [] and engine.statistics().handed_off == 0
+    if available_cores() > 1:
+        with (threadpool_limits(limits=1, user_api="blas"),
+              pargrad.ThreadedEngine(workers=2, handoff_threshold=1) as engine):
+            wide_matmul_grads(engine)
+            assert engine.statistics().handed_off > 0
 
 
 def test_a_waiter_takes_its_turn() -> None:

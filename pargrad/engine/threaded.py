@@ -71,7 +71,7 @@ from pargrad.engine.sequential import run_graph
 from pargrad.engine.trace import Counters, Log, Statistics, Trace, now, recording
 from pargrad.futures import BackwardFuture
 from pargrad.grad_mode import _set_enabled, is_grad_enabled
-from pargrad.graph import BackwardError, Dependencies, Edge, Grad, Kept, Node
+from pargrad.graph import AccumulateGrad, BackwardError, Dependencies, Edge, Grad, Kept, Node
 from pargrad.interrupts import (
     HELD,
     NODE,
@@ -807,7 +807,7 @@ class ThreadedEngine(Engine):
         if depth < MAX_REENTRANT_DEPTH and recording(self.trace) is None and not (
                 outermost and self.limit_blas):
             counted = counting([node for node, _ in roots if node is not None], inputs)
-            if self._all_cheap(counted[0].counts, on):
+            if self._stays_inline(counted[0].counts, on):
                 return self._execute_inline(roots, grads, counted, retain_graph=retain_graph,
                                             create_graph=create_graph, inputs=inputs,
                                             on_kept=on_kept, parent=parent, depth=depth)
@@ -871,15 +871,27 @@ class ThreadedEngine(Engine):
             if limited:
                 blas.restore()
 
-    def _all_cheap(self, counts: Mapping[Node, object], on: Device) -> bool:
-        """Whether no node of a backward is worth handing to another thread: all on
-        device ``on``, each below the hand-off threshold. Then nothing would leave the
-        calling thread, and ``_execute_inline`` runs it without a GraphTask."""
+    def _stays_inline(self, counts: Mapping[Node, object], on: Device) -> bool:
+        """Whether a backward is better run on the calling thread alone: all its nodes
+        are on device ``on`` and either none is worth handing to another thread (below
+        the hand-off threshold), or BLAS work dominates while BLAS already uses every
+        core (the gate admits one BLAS node at a time): another thread's nodes would
+        then only compete with BLAS's own threads for the cores (measured on wide-matmul:
+        plain threads at 0.6-0.8x the reference, docs/performance.md)."""
         threshold = self.handoff_threshold
-        for node in counts:  # noqa: SIM110 (all() with a generator costs more per node)
-            if node.cost >= threshold or node.device is not on:
+        blas_cost = other_cost = 0
+        for node in counts:
+            if node.device is not on:
                 return False
-        return True
+            cost = node.cost
+            if cost >= threshold and not isinstance(node, AccumulateGrad):  # sinks never run
+                if node.calls_blas:
+                    blas_cost += cost
+                else:
+                    other_cost += cost
+        if not (blas_cost or other_cost):
+            return True
+        return blas_cost >= other_cost and blas.gate_size() <= 1
 
     def _execute_inline(self, roots: Sequence[Edge], grads: Sequence[Grad],
                         counted: tuple[Dependencies, dict[Node, bool] | None], *,
