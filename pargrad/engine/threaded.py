@@ -85,9 +85,12 @@ from pargrad.interrupts import (
 MAX_REENTRANT_DEPTH = 32
 """Nested backward calls one thread runs on its own stack before handing off to a helper."""
 
-DEFAULT_HANDOFF_THRESHOLD = 1 << 15
+DEFAULT_HANDOFF_THRESHOLD = 1 << 18
 """Array elements (inputs plus outputs of a node) above which a ready node is offered to
-other workers instead of staying on the thread that made it ready."""
+other workers instead of staying on the thread that made it ready. Measured here
+(docs/performance.md, the wide-elementwise sweep): plain threads on 2 cores lose at
+3*10^4-element arrays (0.44-0.57x one thread) and gain at 3*10^5 (1.07-1.39x), and
+fan-in's 65,536-element nodes gained nothing on two threads (1.21 against 1.25)."""
 
 ENGINE_HINT = "; set PARGRAD_ENGINE=sequential to rerun on the reference engine"
 
