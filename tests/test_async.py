@@ -21,6 +21,7 @@ import pytest
 import pargrad
 from pargrad import Tensor
 from tests.conftest import ENGINES
+from tests.helpers import blocking_function
 
 THREADED = [name for name in ENGINES if name.startswith("threaded")]
 WAIT = 30  # seconds: a generous bound on anything these tests wait for
@@ -48,21 +49,7 @@ def threaded(request: pytest.FixtureRequest) -> Iterator[pargrad.ThreadedEngine]
         yield made
 
 
-class Block(pargrad.Function):
-    """Identity whose backward says it started and then waits for ``release``."""
-
-    started = threading.Event()
-    release = threading.Event()
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> np.ndarray:
-        return x.data.copy()
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> Tensor:
-        Block.started.set()
-        assert Block.release.wait(WAIT), "the test never released the node"
-        return g
+Block = blocking_function(WAIT)
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ import pytest
 
 import pargrad
 from pargrad import Tensor
+from tests.helpers import blocking_function
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 
@@ -115,19 +116,7 @@ def test_fork_while_another_thread_runs_backward_100_times() -> None:
     assert outcomes == {0: 100}, f"child exit codes (None: hung): {outcomes}\n{HUNG[:1]}"
 
 
-class Block(pargrad.Function):
-    started = threading.Event()
-    release = threading.Event()
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> np.ndarray:
-        return x.data.copy()
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> Tensor:
-        Block.started.set()
-        assert Block.release.wait(30)
-        return g
+Block = blocking_function(30)
 
 
 def test_a_future_of_the_parent_fails_in_the_child_with_a_clear_error() -> None:

@@ -13,6 +13,7 @@ import pytest
 
 import pargrad
 from pargrad import Tensor
+from tests.helpers import blocking_function
 from tests.interrupting import SigintAt, code_objects
 
 WAIT = 30  # seconds: a generous bound on anything these tests wait for
@@ -34,21 +35,7 @@ class Fails(pargrad.Function):
         raise ValueError("boom")
 
 
-class Block(pargrad.Function):
-    """Identity whose backward says it started and then waits for ``release``."""
-
-    started = threading.Event()
-    release = threading.Event()
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> np.ndarray:
-        return x.data.copy()
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> Tensor:
-        Block.started.set()
-        assert Block.release.wait(WAIT), "the test never released the node"
-        return g
+Block = blocking_function(WAIT)
 
 
 class FailsOnceBlocked(pargrad.Function):

@@ -1,0 +1,35 @@
+"""Helpers that several test files share."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+import pargrad
+from pargrad import Tensor
+
+
+def blocking_function(wait: float) -> Any:
+    """A new identity ``Function`` class whose backward sets its ``started`` event and then
+    waits (at most ``wait`` seconds, failing after that) for its ``release`` event. Each
+    call makes a class with events of its own, so test files do not share them."""
+
+    class Block(pargrad.Function):
+        """Identity whose backward says it started and then waits for ``release``."""
+
+        started = threading.Event()
+        release = threading.Event()
+
+        @staticmethod
+        def forward(ctx: Any, x: Tensor) -> np.ndarray:
+            return x.data.copy()
+
+        @staticmethod
+        def backward(ctx: Any, g: Tensor) -> Tensor:
+            Block.started.set()
+            assert Block.release.wait(wait), "the test never released the node"
+            return g
+
+    return Block
