@@ -74,8 +74,9 @@ def in_order_engine(request: pytest.FixtureRequest) -> Iterator[pargrad.Engine]:
 # sys.setswitchinterval(1e-6) (the interpreter switches threads about every bytecode, so
 # interleavings that are rare at the default 5 ms happen), after the whole suite, round by
 # round (round 1 of every test before round 2 of any), within a time budget: a round's
-# copy is skipped once PARGRAD_RACE_BUDGET seconds (default 100; 0 turns the rounds off)
-# have gone to race rounds, or if its test took over RACE_SLOW s in the normal run.
+# copy is skipped once PARGRAD_RACE_BUDGET seconds (default 200: all 10 rounds take about
+# 150 s on this 2-core machine; 0 turns the rounds off) have gone to race rounds, or if
+# its test took over RACE_SLOW s in the normal run.
 RACE_FILES = {"test_async.py", "test_concurrency.py", "test_threaded.py",
               "test_engine_lifecycle.py", "test_blas_gate.py", "test_reliability.py"}
 RACE_ROUNDS = 10
@@ -86,7 +87,7 @@ _normal_took: dict[str, float] = {}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if float(os.environ.get("PARGRAD_RACE_BUDGET", "100")) <= 0:
+    if float(os.environ.get("PARGRAD_RACE_BUDGET", "200")) <= 0:
         return
     rounds: list[list[pytest.Item]] = [[] for _ in range(RACE_ROUNDS)]
     for item in items:
@@ -114,7 +115,7 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
         finally:
             _normal_took[item.nodeid] = time.monotonic() - start
     normal = item.nodeid.replace(f"@race{k}", "")
-    budget = float(os.environ.get("PARGRAD_RACE_BUDGET", "100"))
+    budget = float(os.environ.get("PARGRAD_RACE_BUDGET", "200"))
     if _normal_took.get(normal, RACE_SLOW + 1) > RACE_SLOW:
         pytest.skip("race round: the test is too slow for the race budget (or did not run)")
     if _race_spent[0] >= budget:
