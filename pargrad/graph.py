@@ -484,6 +484,15 @@ def needed(roots: Iterable[Node], targets: Iterable[Edge]) -> dict[Node, bool]:
     return runs
 
 
+def counting(root_nodes: Iterable[Node], inputs: Iterable[Edge] | None
+             ) -> tuple[Dependencies, dict[Node, bool] | None]:
+    """The dependencies of a backward from ``root_nodes`` and, with ``inputs`` (the
+    edges ``pargrad.grad`` wants), the nodes it needs (``needed``), counted only among
+    those: what every engine counts with."""
+    runs = None if inputs is None else needed(root_nodes, inputs)
+    return Dependencies(root_nodes, within=runs), runs
+
+
 class Kept:
     """The gradients one backward hands back to its caller, by edge ``(node, output_nr)``.
 

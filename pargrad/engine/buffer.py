@@ -14,8 +14,6 @@ graph) are added out of place, by the differentiable ``add``.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from pargrad.graph import Grad
@@ -73,31 +71,24 @@ class OrderedInputBuffer:
     folded in as soon as every contribution before it has arrived; the ones that came
     early wait for those. Gradients that arrive in the canonical order (most do: workers
     take the newest nodes first) are summed at once and never kept, so the buffer holds
-    what the reference's buffer holds. Without ``expected``, every contribution is kept
-    until ``take``, which sorts them. Either way the sum is folded left through
-    ``accumulate``, exactly as the reference engine adds.
+    what the reference's buffer holds. The sum is folded left through ``accumulate``,
+    exactly as the reference engine adds.
     """
 
-    __slots__ = ("_early", "_expected", "_next", "_owned", "_parts", "_sums")
+    __slots__ = ("_early", "_expected", "_next", "_owned", "_sums")
 
-    def __init__(self, num_outputs: int, expected: list[list[Key]] | None = None) -> None:
+    def __init__(self, num_outputs: int, expected: list[list[Key]]) -> None:
         self._expected = expected
         self._sums: list[Grad | None] = [None] * num_outputs
         self._owned = [False] * num_outputs
         self._next = [0] * num_outputs  # per output: how many expected keys are folded
         self._early: list[dict[Key, Grad | None]] = [{} for _ in range(num_outputs)]
-        self._parts: list[list[tuple[Key, Any]]] = [[] for _ in range(num_outputs)]
 
     def accumulate(self, output_nr: int, grad: Grad | None, key: Key | None = None) -> None:
         """Add ``grad`` (None: nothing to add) for output ``output_nr`` at position
         ``key``."""
         assert key is not None, "an ordered buffer needs the key of each contribution"
-        expected = self._expected
-        if expected is None:
-            if grad is not None:
-                self._parts[output_nr].append((key, grad))
-            return
-        order, early = expected[output_nr], self._early[output_nr]
+        order, early = self._expected[output_nr], self._early[output_nr]
         i = self._next[output_nr]
         if i >= len(order) or order[i] != key:
             early[key] = grad  # something before it is still to come
@@ -116,17 +107,6 @@ class OrderedInputBuffer:
 
     def take(self) -> list[Grad | None]:
         """Each output's sum in key order; the buffer is spent afterwards."""
-        if self._expected is not None:
-            assert not any(self._early), "a contribution arrived that was not expected"
-            folded, self._sums = self._sums, []
-            return folded
-        sums: list[Grad | None] = []
-        for parts in self._parts:
-            parts.sort(key=lambda part: part[0])
-            total: Grad | None = None
-            owned = False
-            for _, grad in parts:
-                total, owned = accumulate(total, owned, grad)
-            sums.append(total)
-        self._parts = []
+        assert not any(self._early), "a contribution arrived that was not expected"
+        sums, self._sums = self._sums, []
         return sums

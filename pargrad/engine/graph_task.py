@@ -31,7 +31,7 @@ says.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError
 from typing import Any
 
@@ -48,7 +48,7 @@ from pargrad.graph import (
     Grad,
     Kept,
     Node,
-    needed,
+    counting,
 )
 
 Ready = tuple[Node, list[Grad | None]]
@@ -134,14 +134,6 @@ class InlineRun:
         self.callbacks = Callbacks()
 
 
-def counting(root_nodes: Iterable[Node], inputs: Sequence[Edge] | None
-             ) -> tuple[Dependencies, dict[Node, bool] | None]:
-    """The dependencies of a backward from ``root_nodes`` and, with ``inputs``, the
-    nodes it needs (``graph.needed``): what a GraphTask counts with."""
-    runs = None if inputs is None else needed(root_nodes, inputs)
-    return Dependencies(root_nodes, within=runs), runs
-
-
 class GraphTask:
     """The state of one backward call: counters, buffers, outstanding work, first error.
 
@@ -187,7 +179,7 @@ class GraphTask:
         self._on_done = on_done
         root_nodes = {node for node, _ in roots if node is not None}
         # With inputs (pargrad.grad): the nodes on a path to them, and which of those run.
-        # ``counted``: both, already made by the engine (``counting``).
+        # ``counted``: both, already made by the engine (``graph.counting``).
         self.dependencies, runs = counted or counting(root_nodes, inputs)
         # Nodes that exactly one edge reaches, and no root gradient: their one delivery
         # makes them ready with just that gradient, so they need no buffer, no counter

@@ -39,12 +39,11 @@ from pargrad.grad_mode import set_grad_enabled
 from pargrad.graph import (
     AccumulateGrad,
     BackwardError,
-    Dependencies,
     Edge,
     Grad,
     Kept,
     Node,
-    needed,
+    counting,
 )
 
 
@@ -91,13 +90,12 @@ class SequentialEngine(Engine):
         inputs: Sequence[Edge] | None,
         on_kept: Callable[[Edge, Grad], bool] | None,
     ) -> dict[Edge, Grad]:
-        root_nodes = [node for node, _ in roots if node is not None]
-        runs = None if inputs is None else needed(root_nodes, inputs)
-        counts = Dependencies(root_nodes, within=runs).counts
+        dependencies, runs = counting([node for node, _ in roots if node is not None], inputs)
         kept = Kept(inputs, on_kept)
         queued = callbacks.Callbacks()  # pargrad.queue_callback's, run after the loop
         with set_grad_enabled(create_graph), use_engine(self), callbacks.running(queued):
-            run_graph(roots, grads, counts, runs, kept, retain_graph=retain_graph)
+            run_graph(roots, grads, dependencies.counts, runs, kept,
+                      retain_graph=retain_graph)
         queued.run()
         return kept.grads
 

@@ -65,13 +65,22 @@ from pargrad import anomaly, callbacks
 from pargrad.devices import CPU, Device, available_cores, device
 from pargrad.engine import blas
 from pargrad.engine.base import Engine, _engine_stack
-from pargrad.engine.graph_task import GraphTask, InlineRun, NodeTask, Ready, counting
+from pargrad.engine.graph_task import GraphTask, InlineRun, NodeTask, Ready
 from pargrad.engine.ready_queue import Flag, ReadyQueue
 from pargrad.engine.sequential import run_graph
 from pargrad.engine.trace import Counters, Log, Statistics, Trace, now, recording
 from pargrad.futures import BackwardFuture
 from pargrad.grad_mode import _set_enabled, is_grad_enabled
-from pargrad.graph import AccumulateGrad, BackwardError, Dependencies, Edge, Grad, Kept, Node
+from pargrad.graph import (
+    AccumulateGrad,
+    BackwardError,
+    Dependencies,
+    Edge,
+    Grad,
+    Kept,
+    Node,
+    counting,
+)
 from pargrad.interrupts import (
     HELD,
     NODE,

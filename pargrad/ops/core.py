@@ -108,9 +108,6 @@ class Op:
     def __repr__(self) -> str:
         return f"<pargrad op {self.name}>"
 
-    def has_rule(self, i: int) -> bool:
-        return i < self.ruled
-
     def plan(self, live: int) -> tuple[tuple[int, ...] | None, bool]:
         """For a node whose arguments with edges are the bits of ``live``: the arguments
         whose values the rules that will run read (None: all), and whether they read the
