@@ -17,7 +17,7 @@ import itertools
 import math
 import sys
 import threading
-from collections.abc import Callable, Container, Iterable, Sequence
+from collections.abc import Callable, Collection, Container, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -484,7 +484,7 @@ def needed(roots: Iterable[Node], targets: Iterable[Edge]) -> dict[Node, bool]:
     return runs
 
 
-def counting(root_nodes: Iterable[Node], inputs: Iterable[Edge] | None
+def counting(root_nodes: Collection[Node], inputs: Iterable[Edge] | None
              ) -> tuple[Dependencies, dict[Node, bool] | None]:
     """The dependencies of a backward from ``root_nodes`` and, with ``inputs`` (the
     edges ``pargrad.grad`` wants), the nodes it needs (``needed``), counted only among
