@@ -34,6 +34,7 @@ from pargrad.creation import (
 )
 from pargrad.devices import Device, device
 from pargrad.engine import (
+    BackwardRequest,
     Engine,
     SequentialEngine,
     ThreadedEngine,
@@ -113,8 +114,8 @@ from pargrad.tensor import Tensor, tensor
 __version__ = "0.1.0"
 
 __all__ = [
-    "AccumulateGrad", "BackwardError", "BackwardFuture", "Device", "Engine", "Function",
-    "FunctionCtx", "Generator", "GradcheckError", "Node", "SequentialEngine", "Tensor",
+    "AccumulateGrad", "BackwardError", "BackwardFuture", "BackwardRequest", "Device", "Engine",
+    "Function", "FunctionCtx", "Generator", "GradcheckError", "Node", "SequentialEngine", "Tensor",
     "ThreadedEngine", "abs", "add", "arange", "argmax", "argmin", "astype", "backward",
     "backward_async", "binary_cross_entropy_with_logits", "broadcast_to", "checkpoint",
     "clip", "concatenate", "copy", "cos", "cross_entropy", "cumsum", "current_engine",

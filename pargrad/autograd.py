@@ -13,12 +13,12 @@ backward then fails, unless another backward has committed into that leaf meanwh
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from pargrad.engine.base import Engine, current_engine
+from pargrad.engine.base import BackwardRequest, Engine, current_engine
 from pargrad.engine.buffer import accumulate
 from pargrad.futures import BackwardFuture
 from pargrad.grad_mode import enable_grad
@@ -74,7 +74,7 @@ def tensor_backward(tensor: Tensor, gradient: Any, retain_graph: bool | None,
 
 def _run(call: _BackwardCall) -> None:
     try:
-        kept = call.engine.execute(call.roots, call.grads, **call.options())
+        kept = call.engine.execute(call.request())
     except BaseException:
         call.early.undo()
         raise
@@ -114,7 +114,7 @@ def backward_async(
     """
     call = _BackwardCall(tensors, grad_tensors, retain_graph, create_graph, inputs, engine)
     try:  # a root that is a leaf with hooks is committed early, on this thread
-        future = call.engine.execute_async(call.roots, call.grads, **call.options())
+        future = call.engine.execute_async(call.request())
     except BaseException:
         call.early.undo()
         raise
@@ -153,7 +153,7 @@ def grad(
     """
     call = _GradCall(outputs, inputs, grad_outputs, retain_graph, create_graph, allow_unused,
                      materialize_grads, engine)
-    return call.results(call.engine.execute(call.roots, call.grads, **call.options()))
+    return call.results(call.engine.execute(call.request()))
 
 
 def grad_async(
@@ -180,7 +180,7 @@ def grad_async(
     """
     call = _GradCall(outputs, inputs, grad_outputs, retain_graph, create_graph, allow_unused,
                      materialize_grads, engine)
-    future = call.engine.execute_async(call.roots, call.grads, **call.options())
+    future = call.engine.execute_async(call.request())
     return future._then(call.results, lambda: None)
 
 
@@ -199,10 +199,11 @@ class _Call:
         self.create_graph = create_graph
         self.engine = engine if engine is not None else current_engine()
 
-    def _options(self, inputs: list[Edge] | None) -> dict[str, Any]:
-        """The keyword arguments of ``Engine.execute`` / ``execute_async``."""
-        return {"retain_graph": self.retain_graph, "create_graph": self.create_graph,
-                "inputs": inputs}
+    def _request(self, targets: list[Edge] | None,
+                 on_kept: Callable[[Edge, Grad], bool] | None = None) -> BackwardRequest:
+        """What ``Engine.execute`` / ``execute_async`` get."""
+        return BackwardRequest(self.roots, self.grads, self.retain_graph, self.create_graph,
+                               targets, on_kept)
 
 
 class _BackwardCall(_Call):
@@ -219,10 +220,10 @@ class _BackwardCall(_Call):
         self._set(roots, grads, retain_graph, create_graph, engine)
         self.early = _EarlyCommits(create_graph)
 
-    def options(self) -> dict[str, Any]:
-        """The keyword arguments of ``Engine.execute`` / ``execute_async``."""
-        inputs = None if self.targets is None else [t._edge() for t in self.targets]
-        return {**self._options(inputs), "on_kept": self.early}
+    def request(self) -> BackwardRequest:
+        """What ``Engine.execute`` / ``execute_async`` get."""
+        targets = None if self.targets is None else [t._edge() for t in self.targets]
+        return self._request(targets, self.early)
 
     def commit(self, kept: dict[Edge, Grad]) -> None:
         """Add what the engine kept to ``.grad`` (the whole backward succeeded).
@@ -264,9 +265,9 @@ class _GradCall(_Call):
         self._set(roots, grads, retain_graph, create_graph, engine)
         self.edges = [t._edge() for t in self.targets]
 
-    def options(self) -> dict[str, Any]:
-        """The keyword arguments of ``Engine.execute`` / ``execute_async``."""
-        return self._options(self.edges)
+    def request(self) -> BackwardRequest:
+        """What ``Engine.execute`` / ``execute_async`` get."""
+        return self._request(self.edges)
 
     def results(self, kept: dict[Edge, Grad]) -> tuple[Tensor | None, ...]:
         """One gradient per input, from what the engine kept."""

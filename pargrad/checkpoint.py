@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from pargrad.engine.base import current_engine
+from pargrad.engine.base import BackwardRequest, current_engine
 from pargrad.function import Function, FunctionCtx
 from pargrad.grad_mode import enable_grad, is_grad_enabled
 from pargrad.graph import AccumulateGrad, Grad, Node, next_sequence_nr
@@ -118,8 +118,8 @@ def _recompute_vjp(fn: Callable[..., Any], inputs: list[Any], grads: Sequence[An
     roots = [o._edge() for o, _ in pairs]
     root_grads = [g if create_graph else np.asarray(g) for _, g in pairs]
     edges = [leaf._edge() for leaf in leaves]
-    kept = current_engine().execute(roots, root_grads, retain_graph=create_graph,
-                                    create_graph=create_graph, inputs=edges)
+    kept = current_engine().execute(BackwardRequest(roots, root_grads, retain_graph=create_graph,
+                                                    create_graph=create_graph, targets=edges))
     return [kept.get(edge) for edge in edges]
 
 

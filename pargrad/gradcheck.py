@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from pargrad.engine.base import Engine, current_engine
+from pargrad.engine.base import BackwardRequest, Engine, current_engine
 from pargrad.grad_mode import enable_grad, no_grad
 from pargrad.graph import Grad
 from pargrad.tensor import Tensor
@@ -166,7 +166,8 @@ def _leaf_grads(outputs: list[Tensor], cotangents: list[Any], leaves: list[Tenso
             grads.append(np.asarray(c.data if isinstance(c, Tensor) else c, dtype=o.dtype))
     run = engine if engine is not None else current_engine()
     edges = [leaf._edge() for leaf in leaves]
-    kept = run.execute(roots, grads, retain_graph=True, create_graph=create_graph, inputs=edges)
+    kept = run.execute(BackwardRequest(roots, grads, retain_graph=True,
+                                       create_graph=create_graph, targets=edges))
     return [kept.get(edge) for edge in edges]
 
 

@@ -341,9 +341,9 @@ class Recording(pargrad.SequentialEngine):
     def __init__(self) -> None:
         self.calls = 0
 
-    def execute(self, *args: Any, **kwargs: Any) -> Any:
+    def execute(self, request: pargrad.BackwardRequest) -> Any:
         self.calls += 1
-        return super().execute(*args, **kwargs)
+        return super().execute(request)
 
 
 def test_engine_selection() -> None:

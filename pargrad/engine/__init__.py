@@ -2,6 +2,7 @@
 threaded engine."""
 
 from pargrad.engine.base import (
+    BackwardRequest,
     Engine,
     current_engine,
     get_default_engine,
@@ -12,6 +13,6 @@ from pargrad.engine.sequential import SequentialEngine
 from pargrad.engine.threaded import ThreadedEngine
 
 __all__ = [
-    "Engine", "SequentialEngine", "ThreadedEngine", "current_engine", "get_default_engine",
-    "set_default_engine", "use_engine",
+    "BackwardRequest", "Engine", "SequentialEngine", "ThreadedEngine", "current_engine",
+    "get_default_engine", "set_default_engine", "use_engine",
 ]

@@ -16,9 +16,35 @@ import os
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 from pargrad.futures import BackwardFuture
 from pargrad.graph import Edge, Grad
+
+
+@dataclass(frozen=True, slots=True)
+class BackwardRequest:
+    """One backward call, as the caller hands it to an engine (``Engine.execute``).
+
+    - ``roots``: the edges the backward starts from (the outputs' ``(node, output_nr)``),
+      and ``grads``: one gradient for each (an array, or a Tensor with
+      ``create_graph``).
+    - ``retain_graph``: keep the saved values, so the graph can be run again.
+    - ``create_graph``: run the nodes' backwards with grad mode on, recording a graph
+      of the gradients.
+    - ``targets``: the edges whose gradients are wanted (``pargrad.grad``'s inputs):
+      then only the nodes on a path to them run; None runs the whole graph down to the
+      leaves.
+    - ``on_kept``: sees each gradient the engine keeps (``graph.Kept``), first, on the
+      thread that keeps it, and may take it.
+    """
+
+    roots: Sequence[Edge]
+    grads: Sequence[Grad]
+    retain_graph: bool = False
+    create_graph: bool = False
+    targets: Sequence[Edge] | None = None
+    on_kept: Callable[[Edge, Grad], bool] | None = None
 
 
 class Engine(ABC):
@@ -28,22 +54,14 @@ class Engine(ABC):
     """
 
     @abstractmethod
-    def execute(
-        self,
-        roots: Sequence[Edge],
-        grads: Sequence[Grad],
-        *,
-        retain_graph: bool,
-        create_graph: bool,
-        inputs: Sequence[Edge] | None = None,
-        on_kept: Callable[[Edge, Grad], bool] | None = None,
-    ) -> dict[Edge, Grad]:
-        """Backpropagate ``grads`` from the ``roots`` edges through the graph.
+    def execute(self, request: BackwardRequest) -> dict[Edge, Grad]:
+        """Backpropagate ``request.grads`` from the ``request.roots`` edges through the
+        graph.
 
         Blocks until done. Returns the gradients kept by ``graph.Kept``, by edge: the
         total gathered at each leaf's ``(AccumulateGrad, 0)``, at each output marked by
-        ``retain_grad``, and at each edge of ``inputs``; entries that got no gradient
-        are absent. With ``inputs``, only the nodes on a path to them run
+        ``retain_grad``, and at each edge of ``targets``; entries that got no gradient
+        are absent. With ``targets``, only the nodes on a path to them run
         (``graph.needed``). Each node's tensor hooks run before its gradients are kept;
         ``on_kept`` sees each kept gradient first, on the thread that keeps it, and
         may take it (``graph.Kept``).
@@ -54,16 +72,7 @@ class Engine(ABC):
         ``BackwardError`` of the first failing node.
         """
 
-    def execute_async(
-        self,
-        roots: Sequence[Edge],
-        grads: Sequence[Grad],
-        *,
-        retain_graph: bool,
-        create_graph: bool,
-        inputs: Sequence[Edge] | None = None,
-        on_kept: Callable[[Edge, Grad], bool] | None = None,
-    ) -> BackwardFuture[dict[Edge, Grad]]:
+    def execute_async(self, request: BackwardRequest) -> BackwardFuture[dict[Edge, Grad]]:
         """Start the backward of ``execute`` and return a future of its result.
 
         This default runs ``execute`` to the end on the calling thread and returns a
@@ -75,8 +84,7 @@ class Engine(ABC):
         """
         future: BackwardFuture[dict[Edge, Grad]] = BackwardFuture()
         try:
-            kept = self.execute(roots, grads, retain_graph=retain_graph,
-                                create_graph=create_graph, inputs=inputs, on_kept=on_kept)
+            kept = self.execute(request)
         except Exception as exc:
             future.set_exception(exc)
         else:

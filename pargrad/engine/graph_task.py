@@ -38,7 +38,7 @@ from typing import Any
 from pargrad import anomaly
 from pargrad.callbacks import Callbacks
 from pargrad.engine import trace
-from pargrad.engine.base import Engine
+from pargrad.engine.base import BackwardRequest, Engine
 from pargrad.engine.buffer import InputBuffer, Key, OrderedInputBuffer
 from pargrad.graph import (
     AccumulateGrad,
@@ -68,8 +68,6 @@ class NodeTask:
 
 
 STRIPES = 64  # the most stripes of a task; a power of two
-_SINGLE = [1]
-"""The counters of every node that exactly one edge reaches (see GraphTask.__init__)."""
 
 
 class Once:
@@ -143,23 +141,20 @@ class GraphTask:
 
     def __init__(
         self,
-        roots: Sequence[Edge],
-        grads: Sequence[Grad],
+        request: BackwardRequest,
         *,
-        retain_graph: bool,
-        create_graph: bool,
         deterministic: bool,
         depth: int,
         engine: Engine,
         on_done: Callable[[GraphTask], None],
-        inputs: Sequence[Edge] | None = None,
-        on_kept: Callable[[Edge, Grad], bool] | None = None,
         parent: GraphTask | InlineRun | None = None,
         counted: tuple[Dependencies, dict[Node, bool] | None] | None = None,
     ) -> None:
+        roots = request.roots
+        retain_graph, create_graph = request.retain_graph, request.create_graph
         self.engine = engine  # the engine running it: the current engine inside its nodes
         self.roots = roots
-        self.root_grads = grads
+        self.root_grads = request.grads
         self.retain_graph = retain_graph
         self.create_graph = create_graph
         self.deterministic = deterministic
@@ -178,27 +173,25 @@ class GraphTask:
         self.callbacks = Callbacks()
         self._on_done = on_done
         root_nodes = {node for node, _ in roots if node is not None}
-        # With inputs (pargrad.grad): the nodes on a path to them, and which of those run.
+        # With targets (pargrad.grad): the nodes on a path to them, and which of those run.
         # ``counted``: both, already made by the engine (``graph.counting``).
-        self.dependencies, runs = counted or counting(root_nodes, inputs)
-        # Nodes that exactly one edge reaches, and no root gradient: their one delivery
-        # makes them ready with just that gradient, so they need no buffer, no counter
-        # and no lock (most nodes of a chain). Their counters become the shared _SINGLE
-        # (which marks them at no memory cost, and is never released). Sinks: the nodes
-        # whose gradients are kept and that do not run (leaves; with inputs, a target with
+        self.dependencies, runs = counted or counting(root_nodes, request.targets)
+        # ``single``: the nodes that exactly one edge reaches, and no root gradient: their
+        # one delivery makes them ready with just that gradient, so they need no buffer,
+        # no counter and no lock (most nodes of a chain). ``sinks``: the nodes whose
+        # gradients are kept and that do not run (leaves; with targets, a target with
         # nothing needed beyond it). Both read-only after __init__.
-        counts = self.dependencies.counts
-        buffered = 0
+        single = []
         sinks = []
-        for node, owed in counts.items():  # replaces values only: the keys stay as they are
+        for node, owed in self.dependencies.counts.items():
             if len(owed) == 1 and owed[0] == 1 and node not in root_nodes:
-                counts[node] = _SINGLE
-            else:
-                buffered += 1
+                single.append(node)
             if isinstance(node, AccumulateGrad) or (runs is not None and not runs[node]):
                 sinks.append(node)
+        self.single = frozenset(single)
         self.sinks = frozenset(sinks)
-        self._kept = Kept(inputs, on_kept)  # its grads guarded by _lock
+        buffered = len(self.dependencies.counts) - len(single)
+        self._kept = Kept(request.targets, request.on_kept)  # its grads guarded by _lock
         # Nodes that run and whose gradients are kept too (read-only).
         self.wanted = frozenset(self._kept.wanted).difference(self.sinks)
         # Deterministic mode: the keys each buffered node's outputs will receive, in
@@ -261,7 +254,7 @@ class GraphTask:
         will receive (one per counted edge into it, one per root gradient), sorted. The
         deliveries are exactly these: a counted node that runs delivers along each edge
         to a counted node (``Dependencies`` counts the same edges)."""
-        counts = self.dependencies.counts
+        counts, single = self.dependencies.counts, self.single
         expected: dict[Node, list[list[Key]]] = {}
         for i, (node, output_nr) in enumerate(roots):
             if node in counts:
@@ -272,7 +265,7 @@ class GraphTask:
                 if node is None:
                     continue
                 owed = counts.get(node)
-                if owed is None or owed is _SINGLE:
+                if owed is None or node in single:
                     continue  # not counted, or delivered to without a buffer
                 keys = expected.get(node)
                 if keys is None:
@@ -290,11 +283,10 @@ class GraphTask:
         If this delivery made the node ready (exactly one caller sees that), returns its
         gathered gradients, which the caller must pass to ``finish``; else None.
         """
-        owed = self.dependencies.counts.get(node)
-        if owed is _SINGLE:
+        if node in self.single:
             return [grad]  # what its buffer would hold: the one gradient, or None
-        if owed is None:
-            return None  # with inputs: a node that leads to none of them
+        if node not in self.dependencies.counts:
+            return None  # with targets: a node that leads to none of them
         stripe = self._stripes[node.sequence_nr & self._mask]
         with stripe.lock:
             buffer = self._buffer(stripe, node)

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pargrad import anomaly, callbacks
-from pargrad.engine.base import Engine, use_engine
+from pargrad.engine.base import BackwardRequest, Engine, use_engine
 from pargrad.engine.buffer import InputBuffer
 from pargrad.engine.trace import ThreadCounts
 from pargrad.grad_mode import set_grad_enabled
@@ -57,45 +57,25 @@ class SequentialEngine(Engine):
     def __repr__(self) -> str:
         return "SequentialEngine()"
 
-    def execute(
-        self,
-        roots: Sequence[Edge],
-        grads: Sequence[Grad],
-        *,
-        retain_graph: bool,
-        create_graph: bool,
-        inputs: Sequence[Edge] | None = None,
-        on_kept: Callable[[Edge, Grad], bool] | None = None,
-    ) -> dict[Edge, Grad]:
-        def run() -> dict[Edge, Grad]:
-            return self._execute(roots, grads, retain_graph=retain_graph,
-                                 create_graph=create_graph, inputs=inputs, on_kept=on_kept)
-
+    def execute(self, request: BackwardRequest) -> dict[Edge, Grad]:
         depth = _local.depth
         if depth >= MAX_REENTRANT_DEPTH:  # a reentrant backward this deep: a fresh stack
-            return _on_fresh_stack(run)
+            return _on_fresh_stack(lambda: self._execute(request))
         _local.depth = depth + 1
         try:
-            return run()
+            return self._execute(request)
         finally:
             _local.depth = depth
 
-    def _execute(
-        self,
-        roots: Sequence[Edge],
-        grads: Sequence[Grad],
-        *,
-        retain_graph: bool,
-        create_graph: bool,
-        inputs: Sequence[Edge] | None,
-        on_kept: Callable[[Edge, Grad], bool] | None,
-    ) -> dict[Edge, Grad]:
-        dependencies, runs = counting([node for node, _ in roots if node is not None], inputs)
-        kept = Kept(inputs, on_kept)
+    def _execute(self, request: BackwardRequest) -> dict[Edge, Grad]:
+        roots, targets = request.roots, request.targets
+        dependencies, runs = counting([node for node, _ in roots if node is not None], targets)
+        kept = Kept(targets, request.on_kept)
         queued = callbacks.Callbacks()  # pargrad.queue_callback's, run after the loop
-        with set_grad_enabled(create_graph), use_engine(self), callbacks.running(queued):
-            run_graph(roots, grads, dependencies.counts, runs, kept,
-                      retain_graph=retain_graph)
+        with (set_grad_enabled(request.create_graph), use_engine(self),
+              callbacks.running(queued)):
+            run_graph(roots, request.grads, dependencies.counts, runs, kept,
+                      retain_graph=request.retain_graph)
         queued.run()
         return kept.grads
 

@@ -58,13 +58,13 @@ import heapq
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
 
 from pargrad import anomaly, callbacks
 from pargrad.devices import CPU, Device, available_cores, device
 from pargrad.engine import blas
-from pargrad.engine.base import Engine, _engine_stack
+from pargrad.engine.base import BackwardRequest, Engine, _engine_stack
 from pargrad.engine.graph_task import GraphTask, InlineRun, NodeTask, Ready
 from pargrad.engine.ready_queue import Flag, ReadyQueue
 from pargrad.engine.sequential import run_graph
@@ -800,16 +800,7 @@ class ThreadedEngine(Engine):
         """
         return self._counters.statistics(self._pool.queue_waits())
 
-    def execute(
-        self,
-        roots: Sequence[Edge],
-        grads: Sequence[Grad],
-        *,
-        retain_graph: bool,
-        create_graph: bool,
-        inputs: Sequence[Edge] | None = None,
-        on_kept: Callable[[Edge, Grad], bool] | None = None,
-    ) -> dict[Edge, Grad]:
+    def execute(self, request: BackwardRequest) -> dict[Edge, Grad]:
         pool = self._pool
         on = _home_device(pool)
         parent = _current_task()
@@ -818,11 +809,10 @@ class ThreadedEngine(Engine):
         counted = None
         if depth < MAX_REENTRANT_DEPTH and recording(self.trace) is None and not (
                 outermost and self.limit_blas):
-            counted = counting([node for node, _ in roots if node is not None], inputs)
+            counted = counting([node for node, _ in request.roots if node is not None],
+                               request.targets)
             if self._stays_inline(counted[0].counts, on):
-                return self._execute_inline(roots, grads, counted, retain_graph=retain_graph,
-                                            create_graph=create_graph, inputs=inputs,
-                                            on_kept=on_kept, parent=parent, depth=depth)
+                return self._execute_inline(request, counted, parent=parent, depth=depth)
         queue = pool.queue(on)
         caller = threading.current_thread()
 
@@ -836,11 +826,8 @@ class ThreadedEngine(Engine):
         # A Ctrl-C from here until _drive's loop is deferred to that loop's first safe
         # point (interrupts.Gate), so the roots _begin counts are always finished.
         with gate_installed():
-            task, ready = self._begin(roots, grads, retain_graph=retain_graph,
-                                      create_graph=create_graph, inputs=inputs,
-                                      on_kept=on_kept, parent=parent,
-                                      nested=parent is not None, on_done=on_done,
-                                      counted=counted)
+            task, ready = self._begin(request, parent=parent, nested=parent is not None,
+                                      on_done=on_done, counted=counted)
             self._drive_call(task, ready, parent, on, queue)
         error = task.error
         self._counters.task_ended(failed=error is not None)
@@ -905,10 +892,8 @@ class ThreadedEngine(Engine):
             return True
         return blas_cost >= other_cost and blas.gate_size() <= 1
 
-    def _execute_inline(self, roots: Sequence[Edge], grads: Sequence[Grad],
+    def _execute_inline(self, request: BackwardRequest,
                         counted: tuple[Dependencies, dict[Node, bool] | None], *,
-                        retain_graph: bool, create_graph: bool, inputs: Sequence[Edge] | None,
-                        on_kept: Callable[[Edge, Grad], bool] | None,
                         parent: GraphTask | InlineRun | None, depth: int) -> dict[Edge, Grad]:
         """``execute`` of a backward that stays on the calling thread: the reference's
         algorithm (``sequential.run_graph``, so the reference's order and sums, bitwise),
@@ -923,18 +908,18 @@ class ThreadedEngine(Engine):
             pool.task_started(nested=parent is not None)  # raises after shutdown
             failed = True
             try:
-                kept = Kept(inputs, on_kept)
+                kept = Kept(request.targets, request.on_kept)
                 running, engines = _running(), _engine_stack()
                 run = InlineRun(parent)
                 running.append(run)
                 engines.append(self)
                 previous_mode = is_grad_enabled()
-                _set_enabled(create_graph)
+                _set_enabled(request.create_graph)
                 _local.depth = depth + 1
                 try:
                     gate.mode = NODE
-                    run_graph(roots, grads, counted[0].counts, counted[1], kept,
-                              retain_graph=retain_graph, name_errors=True,
+                    run_graph(request.roots, request.grads, counted[0].counts, counted[1], kept,
+                              retain_graph=request.retain_graph, name_errors=True,
                               tally=self._counters.mine())
                 except BackwardError as exc:
                     raise _with_hint(exc) from exc.__cause__
@@ -951,16 +936,7 @@ class ThreadedEngine(Engine):
         run.callbacks.run()
         return kept.grads
 
-    def execute_async(
-        self,
-        roots: Sequence[Edge],
-        grads: Sequence[Grad],
-        *,
-        retain_graph: bool,
-        create_graph: bool,
-        inputs: Sequence[Edge] | None = None,
-        on_kept: Callable[[Edge, Grad], bool] | None = None,
-    ) -> BackwardFuture[dict[Edge, Grad]]:
+    def execute_async(self, request: BackwardRequest) -> BackwardFuture[dict[Edge, Grad]]:
         """Start the backward and return its future at once: the workers alone run it
         (the calling thread runs no node unless it waits in ``result()``, where it
         helps). ``limit_blas`` does not apply. Errors of the arguments raise here; those
@@ -1001,9 +977,7 @@ class ThreadedEngine(Engine):
         # the backward is cancelled (it commits nothing) and the interrupt raised here.
         try:
             with deferred_interrupts():
-                task, ready = self._begin(roots, grads, retain_graph=retain_graph,
-                                          create_graph=create_graph, inputs=inputs,
-                                          on_kept=on_kept, parent=None,
+                task, ready = self._begin(request, parent=None,
                                           nested=_current_task() is not None,
                                           on_done=on_done, work=work)
                 if task.done.is_set():  # nothing to run (every root a sink), or start failed
@@ -1020,9 +994,7 @@ class ThreadedEngine(Engine):
             raise
         return future
 
-    def _begin(self, roots: Sequence[Edge], grads: Sequence[Grad], *, retain_graph: bool,
-               create_graph: bool, inputs: Sequence[Edge] | None,
-               on_kept: Callable[[Edge, Grad], bool] | None, parent: GraphTask | InlineRun | None,
+    def _begin(self, request: BackwardRequest, *, parent: GraphTask | InlineRun | None,
                nested: bool, on_done: Callable[[GraphTask], None],
                work: _AsyncWork | None = None,
                counted: tuple[Dependencies, dict[Node, bool] | None] | None = None,
@@ -1037,14 +1009,12 @@ class ThreadedEngine(Engine):
         previous_mode = is_grad_enabled()
         task: GraphTask | None = None
         try:
-            task = GraphTask(roots, grads, retain_graph=retain_graph,
-                             create_graph=create_graph, deterministic=self.deterministic,
+            task = GraphTask(request, deterministic=self.deterministic,
                              depth=0 if parent is None else parent.depth + 1,
-                             engine=self, on_done=on_done, inputs=inputs,
-                             on_kept=on_kept, parent=parent, counted=counted)
+                             engine=self, on_done=on_done, parent=parent, counted=counted)
             if work is not None:
                 work.task = task
-            _set_enabled(create_graph)
+            _set_enabled(request.create_graph)
             try:
                 return task, task.start()
             except Exception as exc:
