@@ -26,6 +26,7 @@ from pargrad import Tensor
 from tests.interrupting import SigintAt, code_objects
 
 THREADED = "pargrad.engine.threaded"
+LOOP = "pargrad.engine.loop"
 GRAPH_TASK = "pargrad.engine.graph_task"
 QUEUE = "pargrad.engine.ready_queue"
 SEQUENTIAL = "pargrad.engine.sequential"
@@ -33,9 +34,10 @@ SEQUENTIAL = "pargrad.engine.sequential"
 # result()) runs between nodes. Names missing from the code under test are skipped.
 LOOP_CODE = [
     (THREADED, "ThreadedEngine.execute"), (THREADED, "ThreadedEngine._drive_call"),
-    (THREADED, "ThreadedEngine._begin"), (THREADED, "_drive"), (THREADED, "_get"),
-    (THREADED, "_process_item"), (THREADED, "_process"), (THREADED, "_schedule"),
-    (THREADED, "_requeue"), (THREADED, "_interrupted"), (THREADED, "_fail"),
+    (THREADED, "ThreadedEngine._begin"), (LOOP, "drive"), (LOOP, "_get"),
+    (LOOP, "thread_main"), (LOOP, "run_nodes"), (LOOP, "_Run.evaluate"),
+    (LOOP, "schedule"), (LOOP, "TaskScope.__enter__"), (LOOP, "TaskScope.__exit__"),
+    (LOOP, "_requeue"), (LOOP, "_interrupted"), (LOOP, "fail"),
     (THREADED, "_AsyncWork.wait"), (GRAPH_TASK, "GraphTask.start"),
     (GRAPH_TASK, "GraphTask.deliver"), (GRAPH_TASK, "GraphTask.finish"),
     (GRAPH_TASK, "GraphTask.fail"), (GRAPH_TASK, "GraphTask.cancel"),

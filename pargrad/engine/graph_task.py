@@ -59,12 +59,12 @@ class NodeTask:
     """A ready node of one GraphTask and the gradients gathered for its outputs: what a
     ReadyQueue holds. (Work a thread keeps for itself needs no task and stays a Ready.)"""
 
-    __slots__ = ("inputs", "node", "task")
+    __slots__ = ("grads", "node", "task")
 
-    def __init__(self, task: GraphTask, node: Node, inputs: list[Grad | None] | None) -> None:
+    def __init__(self, task: GraphTask, node: Node, grads: list[Grad | None] | None) -> None:
         self.task = task
         self.node = node
-        self.inputs = inputs  # set to None once the node has consumed them
+        self.grads = grads  # set to None once a thread took them to run the node
 
 
 STRIPES = 64  # the most stripes of a task; a power of two

@@ -48,27 +48,43 @@ Guarantees:
   the recorded graph, and a second backward through it, are the reference's too.
 
 Assumptions: no GIL. Shared state is guarded by the locks named at each field
-(docs/design.md keeps the table); thread-local state (``_local``) is per thread.
+(docs/design.md keeps the table); thread-local state (``loop.state``) is per thread.
+
+The loop itself (one ``thread_main`` for workers, callers, helpers and ``result()``
+waiters; ``evaluate`` for one node) is ``engine/loop.py``; the queues and threads are
+``engine/pool.py``'s ``Pool``. This module is the engine: ``execute``,
+``execute_async`` and ``shutdown``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import heapq
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
 
-from pargrad import anomaly, callbacks
+from pargrad import anomaly
 from pargrad.devices import CPU, Device, available_cores, device
 from pargrad.engine import blas
 from pargrad.engine.base import BackwardRequest, Engine, _engine_stack
 from pargrad.engine.graph_task import GraphTask, InlineRun, NodeTask, Ready
-from pargrad.engine.ready_queue import Flag, ReadyQueue
+from pargrad.engine.loop import (
+    TaskScope,
+    current_task,
+    drive,
+    home_device,
+    start_helper,
+    state,
+    thread_main,
+    waits_for_itself,
+    worker_main,
+)
+from pargrad.engine.pool import Pool, check_count, default_workers
+from pargrad.engine.ready_queue import ReadyQueue
 from pargrad.engine.sequential import run_graph
-from pargrad.engine.trace import Counters, Log, Statistics, Trace, now, recording
+from pargrad.engine.trace import Counters, Statistics, Trace, recording
 from pargrad.futures import BackwardFuture
 from pargrad.grad_mode import _set_enabled, is_grad_enabled
 from pargrad.graph import (
@@ -81,15 +97,10 @@ from pargrad.graph import (
     Node,
     counting,
 )
-from pargrad.interrupts import (
-    HELD,
-    NODE,
-    POLL,
-    Gate,
-    current_gate,
-    deferred_interrupts,
-    gate_installed,
-)
+from pargrad.interrupts import HELD, NODE, current_gate, deferred_interrupts, gate_installed
+
+__all__ = ["DEFAULT_HANDOFF_THRESHOLD", "MAX_REENTRANT_DEPTH", "ThreadedEngine",
+           "default_workers"]
 
 MAX_REENTRANT_DEPTH = 32
 """Nested backward calls one thread runs on its own stack before handing off to a helper."""
@@ -103,349 +114,16 @@ fan-in's 65,536-element nodes gained nothing on two threads (1.21 against 1.25).
 
 ENGINE_HINT = "; set PARGRAD_ENGINE=sequential to rerun on the reference engine"
 
-class _ThreadState(threading.local):
-    """What the engine keeps per thread (so no lock), each field with its default:
-
-    - ``pool``, ``device``: the pool and device a worker or helper thread works for
-      (None and cpu in any other thread);
-    - ``depth``: backward calls and waits for a future nested on this thread's stack;
-    - ``running``: the tasks whose nodes this thread is inside, innermost last;
-    - ``resolving``: the pools whose futures this thread is resolving (running their
-      done-callbacks), innermost last.
-    """
-
-    pool: _Pool | None = None
-    device: Device = CPU
-    depth = 0
-
-    def __init__(self) -> None:
-        self.running: list[GraphTask | InlineRun] = []
-        self.resolving: list[_Pool] = []
-
-
-_local = _ThreadState()
-
-
 # Guards _engines: every ThreadedEngine alive (weakly), for the fork handlers
 # (pargrad/fork.py), which reset their pools in a child process.
 _engines_lock = threading.Lock()
 _engines: weakref.WeakSet[ThreadedEngine] = weakref.WeakSet()
 
 
-def default_workers() -> int:
-    """Workers per device by default: one less than the cores, since the thread that
-    calls backward works too (at least one, so that nobody waiting still finishes)."""
-    return max(1, available_cores() - 1)
-
-
-class _Pool:
-    """The ReadyQueues and worker threads of one engine, per device.
-
-    Holds no reference to its engine, so an engine nobody uses can be collected (and
-    its finalizer closes the pool).
-    """
-
-    def __init__(self, workers: int | Mapping[str | Device, int] | None) -> None:
-        self._counts = _worker_counts(workers)
-        # Guards _queues, _threads, _helpers, _active and _closed.
-        self._lock = threading.Lock()
-        # Notified when _active drops to zero (shutdown waits for it).
-        self.all_tasks_done = threading.Condition(self._lock)
-        self._queues: dict[Device, ReadyQueue[NodeTask]] = {}
-        self._threads: list[threading.Thread] = []  # the workers
-        self._helpers: list[threading.Thread] = []  # helper threads that may be alive
-        self._active = 0  # graph tasks started and not yet done
-        self._closed = False
-
-    def workers(self, on: Device) -> int:
-        """How many worker threads ``on`` gets."""
-        return self._counts.get(on, self._counts[None])
-
-    def queue(self, on: Device) -> ReadyQueue[NodeTask]:
-        """The ReadyQueue of ``on``; its workers start on first use. Thread-safe."""
-        with self._lock:
-            found = self._queues.get(on)
-            if found is None:
-                found = self._queues[on] = ReadyQueue()
-                for i in range(self.workers(on)):
-                    thread = threading.Thread(target=_work, args=(self, on, found),
-                                              name=f"pargrad-{on}-{i}", daemon=True)
-                    thread.start()
-                    self._threads.append(thread)
-            return found
-
-    def start_helper(self, task: GraphTask, ready: list[Ready], on: Device,
-                     queue: ReadyQueue[NodeTask], name: str) -> None:
-        """Start a helper thread that drives ``task`` (``_help``); ``shutdown(wait=True)``
-        joins it. The task is counted in ``_active`` until it is over, so shutdown cannot
-        miss a helper started for it."""
-        thread = threading.Thread(target=_help, args=(task, ready, on, queue, self),
-                                  name=name, daemon=True)
-        with self._lock:  # started under it, so shutdown never joins one not yet started
-            self._helpers = [t for t in self._helpers if t.is_alive()]
-            self._helpers.append(thread)
-            thread.start()
-
-    def task_started(self, nested: bool) -> None:
-        """Count a new backward call; refused after shutdown unless ``nested`` (called
-        from a node of a backward still in flight, which shutdown waits for)."""
-        with self._lock:
-            if self._closed and not nested:
-                raise RuntimeError("this ThreadedEngine was shut down; make a new one")
-            self._active += 1
-
-    def task_done(self) -> None:
-        with self._lock:
-            self._active -= 1
-            if self._active == 0:
-                self.all_tasks_done.notify_all()
-                if self._closed:
-                    self._close_queues()
-
-    def _close_queues(self) -> None:
-        """Let the workers exit. Holds ``_lock``; only once no backward is in flight, so
-        no work can be put on a queue after its workers left."""
-        for q in self._queues.values():
-            q.close()
-
-    def threads(self) -> list[threading.Thread]:
-        with self._lock:
-            return list(self._threads)
-
-    def queue_waits(self) -> int:
-        """How often a thread blocked on one of the ReadyQueues, all devices together."""
-        with self._lock:
-            queues = list(self._queues.values())
-        return sum(q.waits for q in queues)
-
-    def after_fork_in_child(self) -> None:
-        """In a child process just forked (pargrad/fork.py): the workers, helpers and
-        the backward calls in flight were the parent's threads and are gone. Forget them
-        (the queues too, with what was on them: their futures are failed by the fork
-        handler), so that workers start afresh on first use; ``_lock`` is made anew,
-        since a parent thread may have held it."""
-        self.all_tasks_done._at_fork_reinit()  # type: ignore[attr-defined]  # and _lock
-        self._queues, self._threads, self._helpers = {}, [], []
-        self._active = 0
-
-    def shutdown(self, wait: bool) -> None:
-        """Refuse new backward calls; the ones in flight still finish, and the workers
-        exit after them. With ``wait``, block until then and join the workers.
-        Idempotent."""
-        with self._lock:
-            self._closed = True
-            if wait:
-                while self._active:
-                    self.all_tasks_done.wait()
-            if not self._active:
-                self._close_queues()
-            threads = self._threads + self._helpers
-        if wait:
-            for thread in threads:
-                thread.join()
-
-
-def _worker_counts(workers: int | Mapping[str | Device, int] | None) -> dict[Device | None, int]:
-    """Normalise ``workers``; the key None holds the count for devices not named."""
-    if workers is None:
-        return {None: default_workers()}
-    if isinstance(workers, Mapping):
-        counts: dict[Device | None, int] = {None: default_workers()}
-        for name, count in workers.items():
-            counts[device(name)] = _check_count(count, f"workers[{name!r}]")
-        return counts
-    return {None: _check_count(workers, "workers")}
-
-
-def _check_count(count: object, what: str, minimum: int = 1) -> int:
-    if isinstance(count, bool) or not isinstance(count, int) or count < minimum:
-        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise ValueError(f"ThreadedEngine: {what} must be {kind}, got {count!r}")
-    return count
-
-
-def _work(pool: _Pool, on: Device, queue: ReadyQueue[NodeTask]) -> None:
-    """A worker's loop: run the device's ready work until the queue is closed and empty.
-
-    Never raises: everything a node raises is recorded in its GraphTask.
-    """
-    _local.pool, _local.device = pool, on
-    while True:
-        item = queue.get()
-        if item is None:
-            return
-        _process_item(item, on, reraise=False)
-        del item  # hold no graph alive while idle
-
-
-Local = list[tuple[int, Node, list[Grad | None]]]
-"""The work a thread keeps for itself: a heap of ``(-sequence_nr, node, gradients)``, all
-of one GraphTask (whose sequence numbers are distinct). Newest first, as the reference
-runs them, so a backward that stays on one thread sums in the reference's order."""
-
-
-def _process_item(item: NodeTask, on: Device, *, reraise: bool,
-                  owner: GraphTask | None = None, until: float | None = None) -> None:
-    assert item.inputs is not None
-    local: Local = [(-item.node.sequence_nr, item.node, item.inputs)]
-    item.inputs = None
-    _process(item.task, local, on, reraise=reraise, owner=owner, handed=item.node,
-             until=until)
-
-
-def _process(task: GraphTask, local: Local, on: Device, *, reraise: bool,
-             owner: GraphTask | None = None, handed: Node | None = None,
-             until: float | None = None) -> None:
-    """Run the nodes on ``local`` and the work they keep, on this thread (see the module
-    doc): each node's backward, then the delivery of its gradients along its edges.
-
-    With ``reraise``, an exception that is not an ``Exception`` (KeyboardInterrupt) is
-    recorded in the task and raised again here; otherwise nothing escapes. ``owner`` is
-    the task of the backward this thread is waiting for: an interrupt while running
-    another caller's node fails that task with a BackwardError saying so, and reaches
-    only this thread's caller as the interrupt itself. ``handed`` is the node this
-    thread took from a ReadyQueue (the others on ``local`` it runs inline). ``until``
-    (a ``time.monotonic()`` deadline, from ``result(timeout)``): once it has passed,
-    the nodes still on ``local`` go back on the ReadyQueue instead of running here.
-    """
-    engine = task.engine
-    assert isinstance(engine, ThreadedEngine)
-    counts = engine._counters.mine()
-    records = recording(engine.trace)  # None unless tracing: checked once per node
-    previous_mode = is_grad_enabled()
-    previous_anomaly = anomaly.current_mode()
-    engines = _engine_stack()
-    running = _running()
-    running.append(task)
-    _set_enabled(task.create_graph)
-    anomaly.set_mode(task.anomaly_mode)
-    engines.append(engine)
-    deliver, retain = task.deliver, task.retain_graph
-    deterministic, sinks, wanted = task.deterministic, task.sinks, task.wanted
-    gate = current_gate()  # Ctrl-C raises inside a node; elsewhere here, at the loop's top
-    gate_mode, gate.mode = gate.mode, HELD
-    try:
-        while local:
-            if gate.pending is not None:  # a Ctrl-C came during bookkeeping: now it lands
-                _interrupted(task, local, gate, owner)
-            if until is not None and time.monotonic() >= until:
-                _requeue(engine, task, local)
-                return
-            _, node, inputs = heapq.heappop(local)
-            ready: list[Ready] = []
-            interrupt: BaseException | None = None
-            if not task.cancelled:
-                counts.nodes += 1
-                if node is handed:
-                    counts.handed_off += 1
-                start = 0.0
-                try:
-                    gate.mode = NODE  # first in the try: a Ctrl-C from here on is caught
-                    if node._hooks is not None or (wanted and node in wanted):
-                        inputs = task.prepare(node, inputs)
-                    gated = node.calls_blas
-                    if gated:  # BLAS nodes: at most as many at once as the cores allow
-                        blas.enter_gate()
-                    if records is not None:
-                        start = now()
-                    try:
-                        outputs = node.apply(inputs, retain_graph=retain)
-                    finally:
-                        if gated:
-                            blas.leave_gate()
-                    del inputs
-                    seq = node.sequence_nr
-                    for e, ((next_node, input_nr), grad) in enumerate(
-                            zip(node.next_functions, outputs)):
-                        if next_node is not None:
-                            got = deliver(next_node, input_nr, grad,
-                                          (1, -seq, e) if deterministic else None)
-                            if got is None:
-                                pass
-                            elif next_node in sinks:
-                                if not task.cancelled:  # no hook after a cancel
-                                    task.sink(next_node, got)
-                                    if records is not None:
-                                        _record_ready(records, next_node, task)
-                            else:
-                                ready.append((next_node, got))
-                    del outputs
-                    gate.mode = HELD  # last in the try
-                except BaseException as exc:
-                    gate.mode = HELD  # first in the handler
-                    _fail(task, exc, node, owner)
-                    if reraise and not isinstance(exc, Exception):
-                        interrupt = exc
-                if records is not None:
-                    record = (node.name(), node.sequence_nr, str(on), start, now(),
-                              node is handed, task.number)
-                    for log in records:
-                        log.nodes.append(record)
-            runnable = task.finish(ready)
-            if interrupt is not None:
-                for _ in range(len(local) + len(runnable)):  # all of this cancelled task
-                    task.finish([])
-                raise interrupt
-            if len(runnable) == 1 and runnable[0][0].device is on:  # a chain
-                heapq.heappush(local, (-runnable[0][0].sequence_nr, *runnable[0]))
-            elif runnable:
-                _schedule(engine, task, runnable, on, local)
-    finally:
-        gate.mode = gate_mode
-        engines.pop()
-        _set_enabled(previous_mode)
-        anomaly.set_mode(previous_anomaly)
-        running.pop()
-
-
-def _fail(task: GraphTask, exc: BaseException, node: Node | None,
-          owner: GraphTask | None) -> None:
-    """Record what a node of ``task`` (or this thread's bookkeeping for it) raised. An
-    interrupt of the backward this thread waits for (``owner``) cancels it: nothing is
-    committed, and a future of it is cancelled (whichever line the Ctrl-C landed on). An
-    interrupt while running another caller's node fails that backward with a
-    BackwardError saying so."""
-    if isinstance(exc, Exception) or owner is None:
-        task.fail(exc, node)
-    elif task is owner:
-        task.cancel()
-        task.fail(exc, node)
-    else:
-        name = node.name() if node is not None else "backward"
-        other = BackwardError(name, f"interrupted by {exc!r} in "
-                                    f"{threading.current_thread().name}")
-        other.__cause__ = exc
-        task.fail(other, node)
-
-
-def _interrupted(task: GraphTask, local: Local, gate: Gate, owner: GraphTask | None) -> None:
-    """Raise a Ctrl-C that the gate deferred, at the top of ``_process``'s loop, where the
-    nodes counted and not finished are exactly those on ``local``: fail ``task`` as an
-    interrupt in a node would, finish them (skipped), then raise."""
-    try:
-        gate.raise_pending()
-    except BaseException as exc:
-        _fail(task, exc, None, owner)
-        for _ in range(len(local)):
-            task.finish([])
-        local.clear()
-        raise
-
-
-def _requeue(engine: ThreadedEngine, task: GraphTask, local: Local) -> None:
-    """Put the nodes kept on ``local`` on their ReadyQueues (counted already, so the
-    task's count is unchanged), for another thread to run."""
-    assert not task.serial  # its nodes never reach a ReadyQueue, so never a waiter
-    while local:
-        _, node, inputs = heapq.heappop(local)
-        engine._pool.queue(node.device).put(NodeTask(task, node, inputs), task.depth,
-                                            node.sequence_nr)
-
-
-def _resolving() -> list[_Pool]:
+def _resolving() -> list[Pool[NodeTask]]:
     """The pools whose futures this thread is resolving (running their done-callbacks),
     innermost last."""
-    return _local.resolving
+    return state.resolving
 
 
 def _report(exc: BaseException) -> None:
@@ -453,38 +131,6 @@ def _report(exc: BaseException) -> None:
     exception of a thread is (``threading.excepthook``; it ignores ``SystemExit``)."""
     threading.excepthook(threading.ExceptHookArgs(
         (type(exc), exc, exc.__traceback__, threading.current_thread())))
-
-
-def _running() -> list[GraphTask | InlineRun]:
-    """The tasks whose nodes this thread is inside, innermost last (a thread waiting in
-    a node runs other nodes, of any task)."""
-    return _local.running
-
-
-def _current_task() -> GraphTask | InlineRun | None:
-    """The task whose node this thread is running now, or None."""
-    running = _running()
-    return running[-1] if running else None
-
-
-def _current_callbacks() -> callbacks.Callbacks | None:
-    task = _current_task()
-    return None if task is None else task.callbacks
-
-
-callbacks.add_finder(_current_callbacks)  # pargrad.queue_callback finds our tasks
-
-
-def _inside(task: GraphTask) -> bool:
-    """Whether this thread is inside a node of ``task``, or of a reentrant backward
-    that a node of ``task`` waits for: then waiting for ``task`` waits for itself."""
-    for running in _running():
-        outer: GraphTask | InlineRun | None = running
-        while outer is not None:
-            if outer is task:
-                return True
-            outer = outer.parent
-    return False
 
 
 def _resolve(future: BackwardFuture[dict[Edge, Grad]], task: GraphTask) -> None:
@@ -497,133 +143,14 @@ def _resolve(future: BackwardFuture[dict[Edge, Grad]], task: GraphTask) -> None:
         future.set_result(task.captured())
 
 
-def _record_ready(records: list[Log], node: Node, task: GraphTask) -> None:
-    shape = node._output_meta[0][0]
-    record = (node.sequence_nr, shape, now(), task.number)
-    for log in records:
-        log.ready.append(record)
-
-
-def _schedule(engine: ThreadedEngine, task: GraphTask, runnable: list[Ready], on: Device,
-              local: Local) -> None:
-    """Keep on ``local`` the cheap ready nodes of device ``on``, and put the expensive ones
-    on its ReadyQueue; if it keeps none and has nothing left to run, it keeps the newest
-    expensive one rather than idle. Nodes of other devices go to the ReadyQueues of their
-    devices.
-
-    A cheap node often leads on into expensive work (the chain of adds that sums several
-    branches), so it is the expensive nodes that are handed off, not the cheap ones. A
-    node that runs BLAS is kept too while the BLAS gate lets only one such node run at a
-    time (BLAS already uses every core): another thread would only wait at the gate."""
-    if task.serial:  # every node on this thread, in the reference's order
-        for node, inputs in runnable:
-            heapq.heappush(local, (-node.sequence_nr, node, inputs))
-        return
-    runnable.sort(key=lambda r: r[0].sequence_nr, reverse=True)  # newest first
-    pool = engine._pool
-    expensive: list[Ready] = []
-    kept_one = False
-    blas_alone: bool | None = None  # the gate lets one BLAS node run at once (asked once)
-    for node, inputs in runnable:
-        if node.device is not on:
-            pool.queue(node.device).put(NodeTask(task, node, inputs), task.depth,
-                                        node.sequence_nr)
-            continue
-        if node.calls_blas and blas_alone is None:
-            blas_alone = blas.gate_size() <= 1
-        if node.cost < engine.handoff_threshold or (node.calls_blas and blas_alone):
-            kept_one = True
-            heapq.heappush(local, (-node.sequence_nr, node, inputs))
-        else:
-            expensive.append((node, inputs))
-    if expensive and not kept_one and not local:
-        node, inputs = expensive.pop(0)  # the newest: this thread would idle otherwise
-        heapq.heappush(local, (-node.sequence_nr, node, inputs))
-    if expensive:
-        queue = pool.queue(on)
-        for node, inputs in expensive:
-            queue.put(NodeTask(task, node, inputs), task.depth, node.sequence_nr)
-
-
-def _drive(task: GraphTask, ready: list[Ready], on: Device, queue: ReadyQueue[NodeTask],
-           *, reraise: bool) -> None:
-    """Run the task's first ready nodes, then ready work of device ``on`` until the task
-    is done. The body of a backward call, on the caller's thread or a helper."""
-    local: Local = []
-    engine = task.engine
-    assert isinstance(engine, ThreadedEngine)
-    if ready:
-        _schedule(engine, task, ready, on, local)
-    del ready
-    if local:
-        _process(task, local, on, reraise=reraise, owner=task)
-    gate = current_gate()
-    stop = task.done if gate.previous is None else _Stop(task.done, gate)
-    while True:
-        item = _get(queue, stop, gate)
-        if item is None:  # the task is done: queues close only when no task is in flight
-            return
-        _process_item(item, on, reraise=reraise, owner=task)
-        del item
-
-
-class _Stop:
-    """The ``stop`` of a ReadyQueue wait on a thread with an installed Gate: set when the
-    task is done, or when a Ctrl-C came."""
-
-    __slots__ = ("_done", "_gate")
-
-    def __init__(self, done: Flag, gate: Gate) -> None:
-        self._done, self._gate = done, gate
-
-    def is_set(self) -> bool:
-        return self._done.is_set() or self._gate.pending is not None
-
-
-def _get(queue: ReadyQueue[NodeTask], stop: Flag, gate: Gate,
-         timeout: float | None = None) -> NodeTask | None:
-    """``queue.get``; on a thread with an installed Gate, a Ctrl-C is deferred while it
-    waits (polling every ``POLL`` s) and raised here once the item taken, if any, is back
-    on its queue: no node is lost between the queue and the thread."""
-    if gate.previous is None:
-        return queue.get(stop=stop, timeout=timeout)
-    deadline = None if timeout is None else time.monotonic() + timeout
-    item = None
-    mode, gate.mode = gate.mode, HELD
-    while item is None and not stop.is_set():
-        left = POLL if deadline is None else min(POLL, deadline - time.monotonic())
-        if left <= 0:
-            break
-        item = queue.get(stop=stop, timeout=left)
-    gate.mode = mode
-    if gate.pending is not None:
-        if item is not None:
-            assert item.inputs is not None
-            queue.put(item, item.task.depth, item.node.sequence_nr)
-        gate.raise_pending()
-    return item
-
-
-def _help(task: GraphTask, ready: list[Ready], on: Device, queue: ReadyQueue[NodeTask],
-          pool: _Pool) -> None:
-    """A reentrant helper thread's whole life: drive ``task`` on a fresh stack."""
-    _local.pool, _local.device = pool, on
-    _drive(task, ready, on, queue, reraise=False)
-
-
-def _home_device(pool: _Pool) -> Device:
-    """The device whose queue this thread works on: its own in a pool thread, else cpu."""
-    return _local.device if _local.pool is pool else CPU
-
-
 @contextlib.contextmanager
 def _outside(task: GraphTask) -> Iterator[None]:
     """Resolve ``task``'s future as outside its nodes: its done-callbacks run with grad
     mode on and anomaly mode off (a fresh thread's defaults), the engine of ``task`` no
     longer current (the one of an enclosing ``use_engine``, or the default), and a
     backward they start is not nested in ``task``."""
-    running, engines = _running(), _engine_stack()
-    popped = bool(running) and running[-1] is task  # in _process, which pushed both
+    running, engines = state.running, _engine_stack()
+    popped = bool(running) and running[-1] is task  # in run_nodes, inside its TaskScope
     if popped:
         running.pop()
         engine = engines.pop()
@@ -644,7 +171,7 @@ class _AsyncWork:
     """What a BackwardFuture of a ThreadedEngine controls (``futures.Work``): its
     GraphTask, and the ReadyQueues where threads wait for it in ``result()``."""
 
-    def __init__(self, pool: _Pool) -> None:
+    def __init__(self, pool: Pool[NodeTask]) -> None:
         self.pool = pool
         # Set once before the task is published, and to None once the future resolved
         # (so the future does not keep the graph alive); readers read it once.
@@ -659,7 +186,7 @@ class _AsyncWork:
 
     def inside(self) -> bool:
         task = self.task
-        return task is not None and _inside(task)
+        return task is not None and waits_for_itself(task)
 
     def wait(self, timeout: float | None) -> None:
         """Run ready work of this thread's device until the task is over, or until
@@ -674,33 +201,25 @@ class _AsyncWork:
         if task is None:
             return
         pool = self.pool
-        queue = pool.queue(on := _home_device(pool))
+        queue = pool.queue(at := home_device(pool))
         deadline = None if timeout is None else time.monotonic() + timeout
-        depth = _local.depth
+        depth = state.depth
         if depth >= MAX_REENTRANT_DEPTH:
-            pool.start_helper(task, [], on, queue, f"pargrad-{on}-reentrant")
+            start_helper(pool, task, [], at, queue, "reentrant")
             task.done.wait(timeout)
             return
         with self._lock:
             self._helping[queue] = self._helping.get(queue, 0) + 1
-        _local.depth = depth + 1
+        state.depth = depth + 1
         try:
-            with gate_installed() as gate:
-                stop = task.done if gate.previous is None else _Stop(task.done, gate)
-                while not task.done.is_set():
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        return
-                    item = _get(queue, stop, gate, left)
-                    if item is not None:
-                        _process_item(item, on, reraise=True, owner=task, until=deadline)
-                        del item
+            with gate_installed():
+                thread_main(queue, at, task, reraise=True, until=deadline)
         except BaseException as exc:  # Ctrl-C in result(): the backward is cancelled
             if not isinstance(exc, Exception):
                 task.cancel()
             raise
         finally:
-            _local.depth = depth
+            state.depth = depth
             with self._lock:
                 self._helping[queue] -= 1
                 if not self._helping[queue]:
@@ -761,11 +280,11 @@ class ThreadedEngine(Engine):
         limit_blas: bool = False,
         trace: bool = False,
     ) -> None:
-        self._pool = _Pool(workers)
+        self._pool: Pool[NodeTask] = Pool(workers, worker_main)
         self.trace = Trace() if trace else None
         self._counters = Counters()
         self.deterministic = bool(deterministic)
-        self.handoff_threshold = _check_count(handoff_threshold, "handoff_threshold",
+        self.handoff_threshold = check_count(handoff_threshold, "handoff_threshold",
                                               minimum=0)  # 0: hand off every node
         self.limit_blas = bool(limit_blas)
         weakref.finalize(self, self._pool.shutdown, False)
@@ -802,10 +321,10 @@ class ThreadedEngine(Engine):
 
     def execute(self, request: BackwardRequest) -> dict[Edge, Grad]:
         pool = self._pool
-        on = _home_device(pool)
-        parent = _current_task()
-        depth = _local.depth
-        outermost = parent is None and _local.pool is None
+        on = home_device(pool)
+        parent = current_task()
+        depth = state.depth
+        outermost = parent is None and state.pool is None
         counted = None
         if depth < MAX_REENTRANT_DEPTH and recording(self.trace) is None and not (
                 outermost and self.limit_blas):
@@ -823,7 +342,7 @@ class ThreadedEngine(Engine):
             if threading.current_thread() is not caller:
                 queue.wake_all()
 
-        # A Ctrl-C from here until _drive's loop is deferred to that loop's first safe
+        # A Ctrl-C from here until the loop is deferred to that loop's first safe
         # point (interrupts.Gate), so the roots _begin counts are always finished.
         with gate_installed():
             task, ready = self._begin(request, parent=parent, nested=parent is not None,
@@ -841,15 +360,15 @@ class ThreadedEngine(Engine):
         """The calling thread's part of ``execute``: run ``task`` until it is over; an
         interrupt (or any BaseException) cancels it and is raised again at once."""
         pool = self._pool
-        depth = _local.depth
-        outermost = parent is None and _local.pool is None
+        depth = state.depth
+        outermost = parent is None and state.pool is None
         limited = False
         try:
             if outermost and self.limit_blas:
                 blas.limit(max(1, available_cores() // (pool.workers(CPU) + 1)))
                 limited = True
             if depth >= MAX_REENTRANT_DEPTH:
-                pool.start_helper(task, ready, on, queue, f"pargrad-{on}-reentrant")
+                start_helper(pool, task, ready, on, queue, "reentrant")
                 gate = current_gate()
                 gate.mode = NODE  # a blocking wait that holds nothing: Ctrl-C raises here
                 try:
@@ -857,11 +376,11 @@ class ThreadedEngine(Engine):
                 finally:
                     gate.mode = HELD
             else:
-                _local.depth = depth + 1
+                state.depth = depth + 1
                 try:
-                    _drive(task, ready, on, queue, reraise=True)
+                    drive(task, ready, on, queue, reraise=True)
                 finally:
-                    _local.depth = depth
+                    state.depth = depth
         except BaseException as exc:
             task.fail(exc)  # cancel what is left; the first error stays the first
             self._counters.task_ended(failed=True)
@@ -909,26 +428,19 @@ class ThreadedEngine(Engine):
             failed = True
             try:
                 kept = Kept(request.targets, request.on_kept)
-                running, engines = _running(), _engine_stack()
                 run = InlineRun(parent)
-                running.append(run)
-                engines.append(self)
-                previous_mode = is_grad_enabled()
-                _set_enabled(request.create_graph)
-                _local.depth = depth + 1
-                try:
-                    gate.mode = NODE
-                    run_graph(request.roots, request.grads, counted[0].counts, counted[1], kept,
-                              retain_graph=request.retain_graph, name_errors=True,
-                              tally=self._counters.mine())
-                except BackwardError as exc:
-                    raise _with_hint(exc) from exc.__cause__
-                finally:
-                    gate.mode = HELD
-                    _local.depth = depth
-                    _set_enabled(previous_mode)
-                    engines.pop()
-                    running.pop()
+                with TaskScope(run, self, request.create_graph, None, gate):
+                    state.depth = depth + 1
+                    try:
+                        gate.mode = NODE
+                        run_graph(request.roots, request.grads, counted[0].counts, counted[1],
+                                  kept, retain_graph=request.retain_graph, name_errors=True,
+                                  tally=self._counters.mine())
+                    except BackwardError as exc:
+                        raise _with_hint(exc) from exc.__cause__
+                    finally:
+                        gate.mode = HELD
+                        state.depth = depth
                 failed = False
             finally:
                 self._counters.task_ended(failed=failed)
@@ -942,7 +454,7 @@ class ThreadedEngine(Engine):
         helps). ``limit_blas`` does not apply. Errors of the arguments raise here; those
         of the backward go to the future."""
         pool = self._pool
-        on = _home_device(pool)
+        on = home_device(pool)
         queue = pool.queue(on)
         work = _AsyncWork(pool)
         future: BackwardFuture[dict[Edge, Grad]] = BackwardFuture(work)
@@ -964,7 +476,7 @@ class ThreadedEngine(Engine):
                     else:
                         _resolve(future, task)
             except BaseException as exc:  # a done-callback's SystemExit: all callbacks ran
-                if _local.pool is not pool:
+                if state.pool is not pool:
                     raise  # a caller's thread (helping, or starting): it gets it
                 _report(exc)  # an engine thread survives it
             finally:
@@ -978,12 +490,12 @@ class ThreadedEngine(Engine):
         try:
             with deferred_interrupts():
                 task, ready = self._begin(request, parent=None,
-                                          nested=_current_task() is not None,
+                                          nested=current_task() is not None,
                                           on_done=on_done, work=work)
                 if task.done.is_set():  # nothing to run (every root a sink), or start failed
                     return future
                 if task.serial:  # every node on one thread, in the reference's order
-                    pool.start_helper(task, ready, on, queue, f"pargrad-{on}-async")
+                    start_helper(pool, task, ready, on, queue, "async")
                 else:
                     for node, gathered in ready:
                         pool.queue(node.device).put(NodeTask(task, node, gathered),
@@ -1037,7 +549,7 @@ class ThreadedEngine(Engine):
         done-callback of this engine's futures (it would wait for itself; use
         ``wait=False`` there).
         """
-        if _current_task() is not None:
+        if current_task() is not None:
             raise RuntimeError("ThreadedEngine.shutdown() called from inside a backward")
         if wait and self._pool in _resolving():
             raise RuntimeError(

@@ -1,0 +1,477 @@
+"""The loop every thread of a ThreadedEngine runs: workers, a caller waiting for its
+backward, a reentrant or asynchronous helper, and a thread waiting in a future's
+``result()``.
+
+The work is cut as in PyTorch's engine:
+- ``thread_main``: the one loop. Take a ready node of this thread's device from its
+  ReadyQueue and run it, until the queue closes (a worker) or the task this thread
+  waits for is over (everyone else), or a deadline passed (``result(timeout)``).
+- ``run_nodes``: run a node and the ready nodes it keeps on this thread (a private
+  heap), inside the task's scope (``TaskScope``), then hand the rest on (``schedule``).
+- ``evaluate``: one node: its tensor hooks and the gradients kept of it, its backward,
+  then the delivery of its gradients along its edges; an error is triaged apart, by
+  ``fail``.
+
+Guarantees (the module doc of ``engine/threaded.py`` has the whole contract):
+- Every node counted in a task is finished exactly once (``GraphTask.finish``), also when
+  it fails, when its task is cancelled, and under Ctrl-C: the Gate lets a Ctrl-C raise
+  only inside a node's code (``evaluate``) and at the top of ``run_nodes``' loop, where
+  what is counted and not finished is exactly the private heap.
+- A node runs with the thread state of its task (``TaskScope``): grad mode
+  ``create_graph``, the caller's anomaly mode, its engine current, the task on the
+  running stack; a thread's own state is restored when it leaves.
+
+Assumptions: no GIL. Thread-local state is ``state`` (``ThreadState``); everything
+shared is in the GraphTask and the ReadyQueues, guarded there.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import threading
+import time
+from types import TracebackType
+from typing import TYPE_CHECKING, Protocol, cast
+
+from pargrad import anomaly, callbacks
+from pargrad.devices import CPU, Device
+from pargrad.engine import blas
+from pargrad.engine.base import Engine, _engine_stack
+from pargrad.engine.graph_task import GraphTask, InlineRun, NodeTask, Ready
+from pargrad.engine.ready_queue import Flag, ReadyQueue
+from pargrad.engine.trace import Counters, Log, ThreadCounts, Trace, now, recording
+from pargrad.grad_mode import _set_enabled, is_grad_enabled
+from pargrad.graph import BackwardError, Grad, Node
+from pargrad.interrupts import HELD, NODE, POLL, Gate, current_gate
+
+if TYPE_CHECKING:
+    from pargrad.engine.pool import Pool
+
+
+class Scheduler(Protocol):
+    """What the loop reads of the engine whose task it runs (a ThreadedEngine)."""
+
+    _pool: Pool[NodeTask]
+    _counters: Counters
+    trace: Trace | None
+    handoff_threshold: int
+
+
+class ThreadState(threading.local):
+    """What the engine keeps per thread (so no lock), each field with its default:
+
+    - ``pool``, ``device``: the pool and device a worker or helper thread works for
+      (None and cpu in any other thread);
+    - ``depth``: backward calls and waits for a future nested on this thread's stack;
+    - ``running``: the tasks whose nodes this thread is inside, innermost last;
+    - ``resolving``: the pools whose futures this thread is resolving (running their
+      done-callbacks), innermost last.
+    """
+
+    pool: Pool[NodeTask] | None = None
+    device: Device = CPU
+    depth = 0
+
+    def __init__(self) -> None:
+        self.running: list[GraphTask | InlineRun] = []
+        self.resolving: list[Pool[NodeTask]] = []
+
+
+state = ThreadState()
+
+
+Local = list[tuple[int, Node, list[Grad | None]]]
+"""The work a thread keeps for itself: a heap of ``(-sequence_nr, node, gradients)``, all
+of one GraphTask (whose sequence numbers are distinct). Newest first, as the reference
+runs them, so a backward that stays on one thread sums in the reference's order."""
+
+
+# ----- the thread state of a task -----
+
+class TaskScope:
+    """Entered while this thread runs nodes of ``task``: the task on the running stack,
+    ``engine`` current, grad mode ``grad_mode``, anomaly mode ``anomaly_mode`` (None:
+    as it is), and the Ctrl-C ``gate`` HELD between nodes; all as they were on exit.
+    The one place that sets and restores them."""
+
+    __slots__ = ("_anomaly", "_engine", "_gate", "_grad", "_saved_anomaly",
+                 "_saved_gate", "_saved_grad", "_task")
+
+    def __init__(self, task: GraphTask | InlineRun, engine: Engine, grad_mode: bool,
+                 anomaly_mode: tuple[bool, bool] | None, gate: Gate) -> None:
+        self._task, self._engine, self._gate = task, engine, gate
+        self._grad, self._anomaly = grad_mode, anomaly_mode
+
+    def __enter__(self) -> None:
+        state.running.append(self._task)
+        _engine_stack().append(self._engine)
+        self._saved_grad = is_grad_enabled()
+        _set_enabled(self._grad)
+        if self._anomaly is not None:
+            self._saved_anomaly = anomaly.current_mode()
+            anomaly.set_mode(self._anomaly)
+        gate = self._gate
+        self._saved_gate, gate.mode = gate.mode, HELD
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._gate.mode = self._saved_gate
+        _set_enabled(self._saved_grad)
+        if self._anomaly is not None:
+            anomaly.set_mode(self._saved_anomaly)
+        _engine_stack().pop()
+        state.running.pop()
+
+
+def current_task() -> GraphTask | InlineRun | None:
+    """The task whose node this thread is running now, or None."""
+    running = state.running
+    return running[-1] if running else None
+
+
+def _current_callbacks() -> callbacks.Callbacks | None:
+    task = current_task()
+    return None if task is None else task.callbacks
+
+
+callbacks.add_finder(_current_callbacks)  # pargrad.queue_callback finds our tasks
+
+
+def waits_for_itself(task: GraphTask) -> bool:
+    """Whether this thread is inside a node of ``task``, or of a reentrant backward
+    that a node of ``task`` waits for: then waiting for ``task`` waits for itself."""
+    for running in state.running:
+        outer: GraphTask | InlineRun | None = running
+        while outer is not None:
+            if outer is task:
+                return True
+            outer = outer.parent
+    return False
+
+
+def home_device(pool: Pool[NodeTask]) -> Device:
+    """The device whose queue this thread works on: its own in a pool thread, else cpu."""
+    return state.device if state.pool is pool else CPU
+
+
+# ----- the loop -----
+
+def worker_main(pool: Pool[NodeTask], at: Device, queue: ReadyQueue[NodeTask]) -> None:
+    """A worker's life: run the device's ready work until the queue is closed and empty.
+    Never raises: everything a node raises is recorded in its GraphTask."""
+    state.pool, state.device = pool, at
+    thread_main(queue, at)
+
+
+def helper_main(task: GraphTask, ready: list[Ready], at: Device,
+                queue: ReadyQueue[NodeTask], pool: Pool[NodeTask]) -> None:
+    """A reentrant or asynchronous helper thread's life: drive ``task`` on a fresh
+    stack."""
+    state.pool, state.device = pool, at
+    drive(task, ready, at, queue, reraise=False)
+
+
+def drive(task: GraphTask, ready: list[Ready], at: Device, queue: ReadyQueue[NodeTask],
+          *, reraise: bool) -> None:
+    """Run the task's first ready nodes, then ready work of device ``at`` until the task
+    is done. The body of a backward call, on the caller's thread or a helper."""
+    local: Local = []
+    if ready:
+        schedule(task, ready, at, local)
+    del ready
+    if local:
+        run_nodes(task, local, at, reraise=reraise, owner=task)
+    thread_main(queue, at, task, reraise=reraise)
+
+
+def thread_main(queue: ReadyQueue[NodeTask], at: Device, owner: GraphTask | None = None,
+                *, reraise: bool = False, until: float | None = None) -> None:
+    """Take ready work of device ``at`` from ``queue`` and run it (``run_nodes``), until:
+
+    - ``owner`` None (a worker): the queue is closed and empty;
+    - else (a caller, a helper, a ``result()`` waiter): ``owner``, the task this thread
+      waits for, is done; or ``until`` (a ``time.monotonic()`` deadline) has passed.
+
+    With ``reraise``, a KeyboardInterrupt in a node is raised again here (``run_nodes``);
+    on a thread with an installed Gate, a Ctrl-C while waiting is too (``_get``).
+    """
+    gate = current_gate()
+    stop: Flag | None = None
+    if owner is not None:
+        stop = owner.done if gate.previous is None else _Stop(owner.done, gate)
+    while owner is None or not owner.done.is_set():
+        left = None if until is None else until - time.monotonic()
+        if left is not None and left <= 0:
+            return
+        item = _get(queue, stop, gate, left)
+        if item is None:
+            if owner is None:
+                return  # closed: queues close only when no task is in flight
+            continue
+        node = item.node
+        assert item.grads is not None
+        local: Local = [(-node.sequence_nr, node, item.grads)]
+        item.grads = None  # the heap holds the gradients alone: run_nodes frees them
+        run_nodes(item.task, local, at, reraise=reraise, owner=owner, handed=node,
+                  until=until)
+        del item, node  # hold no graph alive while idle
+
+
+def run_nodes(task: GraphTask, local: Local, at: Device, *, reraise: bool,
+              owner: GraphTask | None = None, handed: Node | None = None,
+              until: float | None = None) -> None:
+    """Run the nodes on ``local`` and the ready nodes they keep, on this thread
+    (``evaluate`` each), handing the rest on (``schedule``).
+
+    With ``reraise``, an exception that is not an ``Exception`` (KeyboardInterrupt) is
+    recorded in the task and raised again here; otherwise nothing escapes. ``owner`` is
+    the task of the backward this thread is waiting for: an interrupt while running
+    another caller's node fails that task with a BackwardError saying so, and reaches
+    only this thread's caller as the interrupt itself. ``handed`` is the node this
+    thread took from a ReadyQueue (the others on ``local`` it runs inline). ``until``
+    (a ``time.monotonic()`` deadline, from ``result(timeout)``): once it has passed,
+    the nodes still on ``local`` go back on the ReadyQueue instead of running here.
+    """
+    engine = cast(Scheduler, task.engine)
+    run = _Run(task, at, reraise, owner, handed, engine._counters.mine(),
+               recording(engine.trace))
+    gate = run.gate
+    with TaskScope(task, task.engine, task.create_graph, task.anomaly_mode, gate):
+        while local:
+            if gate.pending is not None:  # a Ctrl-C came during bookkeeping: now it lands
+                _interrupted(task, local, gate, owner)
+            if until is not None and time.monotonic() >= until:
+                _requeue(engine, task, local)
+                return
+            if task.cancelled:
+                heapq.heappop(local)
+                task.finish([])
+                continue
+            try:  # the popped entry goes to evaluate alone, which frees its gradients
+                ready = run.evaluate(heapq.heappop(local))
+            except BaseException:  # only an interrupt, with reraise: the task is cancelled
+                for _ in range(len(local) + 1):  # finish this node and the rest, skipped
+                    task.finish([])
+                raise
+            runnable = task.finish(ready)
+            if len(runnable) == 1 and runnable[0][0].device is at:  # a chain
+                heapq.heappush(local, (-runnable[0][0].sequence_nr, *runnable[0]))
+            elif runnable:
+                schedule(task, runnable, at, local)
+
+
+class _Run:
+    """What ``evaluate`` needs for the nodes one ``run_nodes`` call runs: this thread's
+    part of the call, and the task's fields that never change, read once."""
+
+    __slots__ = ("at", "counts", "deliver", "deterministic", "gate", "handed", "owner",
+                 "records", "reraise", "retain", "sinks", "task", "wanted")
+
+    def __init__(self, task: GraphTask, at: Device, reraise: bool, owner: GraphTask | None,
+                 handed: Node | None, counts: ThreadCounts, records: list[Log] | None) -> None:
+        self.task, self.at, self.reraise, self.owner = task, at, reraise, owner
+        self.handed, self.counts, self.records = handed, counts, records
+        self.retain, self.deterministic = task.retain_graph, task.deterministic
+        self.sinks, self.wanted, self.deliver = task.sinks, task.wanted, task.deliver
+        # Ctrl-C raises inside a node; elsewhere here, at the top of run_nodes' loop.
+        self.gate = current_gate()
+
+    def evaluate(self, entry: tuple[int, Node, list[Grad | None]]) -> list[Ready]:
+        """Run the node of ``entry`` (taken off a thread's heap): its tensor hooks and the
+        gradients kept of it, its backward, then the delivery of its gradients along its
+        edges (with the canonical order's keys in deterministic mode), keeping those of
+        the sinks that became ready. Returns the other nodes that became ready (not yet
+        counted). An error fails the task (``fail``); an interrupt, with ``reraise``, is
+        then raised again. Holds the node's gradients only until its backward returned."""
+        _, node, grads = entry
+        del entry
+        task, gate, records, sinks = self.task, self.gate, self.records, self.sinks
+        self.counts.nodes += 1
+        if node is self.handed:
+            self.counts.handed_off += 1
+        ready: list[Ready] = []
+        start = 0.0
+        try:
+            gate.mode = NODE  # first in the try: a Ctrl-C from here on is caught
+            if node._hooks is not None or (self.wanted and node in self.wanted):
+                grads = task.prepare(node, grads)
+            gated = node.calls_blas
+            if gated:  # BLAS nodes: at most as many at once as the cores allow
+                blas.enter_gate()
+            if records is not None:
+                start = now()
+            try:
+                outputs = node.apply(grads, retain_graph=self.retain)
+            finally:
+                if gated:
+                    blas.leave_gate()
+            del grads
+            seq, deterministic, deliver = node.sequence_nr, self.deterministic, self.deliver
+            for e, ((next_node, input_nr), grad) in enumerate(
+                    zip(node.next_functions, outputs)):
+                if next_node is None:
+                    continue
+                gathered = deliver(next_node, input_nr, grad,
+                                   (1, -seq, e) if deterministic else None)
+                if gathered is None:
+                    continue
+                if next_node not in sinks:
+                    ready.append((next_node, gathered))
+                elif not task.cancelled:  # no hook after a cancel
+                    task.sink(next_node, gathered)
+                    if records is not None:
+                        _record_ready(records, next_node, task)
+            gate.mode = HELD  # last in the try
+        except BaseException as exc:
+            gate.mode = HELD  # first in the handler
+            fail(task, exc, node, self.owner)
+            if self.reraise and not isinstance(exc, Exception):
+                raise
+        finally:
+            if records is not None:
+                record = (node.name(), node.sequence_nr, str(self.at), start, now(),
+                          node is self.handed, task.number)
+                for log in records:
+                    log.nodes.append(record)
+        return ready
+
+
+def fail(task: GraphTask, exc: BaseException, node: Node | None,
+         owner: GraphTask | None) -> None:
+    """Record what a node of ``task`` (or this thread's bookkeeping for it) raised. An
+    interrupt of the backward this thread waits for (``owner``) cancels it: nothing is
+    committed, and a future of it is cancelled (whichever line the Ctrl-C landed on). An
+    interrupt while running another caller's node fails that backward with a
+    BackwardError saying so."""
+    if isinstance(exc, Exception) or owner is None:
+        task.fail(exc, node)
+    elif task is owner:
+        task.cancel()
+        task.fail(exc, node)
+    else:
+        name = node.name() if node is not None else "backward"
+        other = BackwardError(name, f"interrupted by {exc!r} in "
+                                    f"{threading.current_thread().name}")
+        other.__cause__ = exc
+        task.fail(other, node)
+
+
+def _interrupted(task: GraphTask, local: Local, gate: Gate, owner: GraphTask | None) -> None:
+    """Raise a Ctrl-C that the gate deferred, at the top of ``run_nodes``' loop, where the
+    nodes counted and not finished are exactly those on ``local``: fail ``task`` as an
+    interrupt in a node would, finish them (skipped), then raise."""
+    try:
+        gate.raise_pending()
+    except BaseException as exc:
+        fail(task, exc, None, owner)
+        for _ in range(len(local)):
+            task.finish([])
+        local.clear()
+        raise
+
+
+def _requeue(engine: Scheduler, task: GraphTask, local: Local) -> None:
+    """Put the nodes kept on ``local`` on their ReadyQueues (counted already, so the
+    task's count is unchanged), for another thread to run."""
+    assert not task.serial  # its nodes never reach a ReadyQueue, so never a waiter
+    while local:
+        _, node, grads = heapq.heappop(local)
+        engine._pool.queue(node.device).put(NodeTask(task, node, grads), task.depth,
+                                            node.sequence_nr)
+
+
+def _record_ready(records: list[Log], node: Node, task: GraphTask) -> None:
+    shape = node._output_meta[0][0]
+    record = (node.sequence_nr, shape, now(), task.number)
+    for log in records:
+        log.ready.append(record)
+
+
+def schedule(task: GraphTask, runnable: list[Ready], at: Device, local: Local) -> None:
+    """Keep on ``local`` the cheap ready nodes of device ``at``, and put the expensive ones
+    on its ReadyQueue; if it keeps none and has nothing left to run, it keeps the newest
+    expensive one rather than idle. Nodes of other devices go to the ReadyQueues of their
+    devices.
+
+    A cheap node often leads on into expensive work (the chain of adds that sums several
+    branches), so it is the expensive nodes that are handed off, not the cheap ones. A
+    node that runs BLAS is kept too while the BLAS gate lets only one such node run at a
+    time (BLAS already uses every core): another thread would only wait at the gate."""
+    if task.serial:  # every node on this thread, in the reference's order
+        for node, grads in runnable:
+            heapq.heappush(local, (-node.sequence_nr, node, grads))
+        return
+    engine = cast(Scheduler, task.engine)
+    runnable.sort(key=lambda r: r[0].sequence_nr, reverse=True)  # newest first
+    pool, threshold = engine._pool, engine.handoff_threshold
+    expensive: list[Ready] = []
+    kept_one = False
+    blas_alone: bool | None = None  # the gate lets one BLAS node run at once (asked once)
+    for node, grads in runnable:
+        if node.device is not at:
+            pool.queue(node.device).put(NodeTask(task, node, grads), task.depth,
+                                        node.sequence_nr)
+            continue
+        if node.calls_blas and blas_alone is None:
+            blas_alone = blas.gate_size() <= 1
+        if node.cost < threshold or (node.calls_blas and blas_alone):
+            kept_one = True
+            heapq.heappush(local, (-node.sequence_nr, node, grads))
+        else:
+            expensive.append((node, grads))
+    if expensive and not kept_one and not local:
+        node, grads = expensive.pop(0)  # the newest: this thread would idle otherwise
+        heapq.heappush(local, (-node.sequence_nr, node, grads))
+    if expensive:
+        queue = pool.queue(at)
+        for node, grads in expensive:
+            queue.put(NodeTask(task, node, grads), task.depth, node.sequence_nr)
+
+
+# ----- waiting on a queue -----
+
+class _Stop:
+    """The ``stop`` of a ReadyQueue wait on a thread with an installed Gate: set when the
+    task is done, or when a Ctrl-C came."""
+
+    __slots__ = ("_done", "_gate")
+
+    def __init__(self, done: Flag, gate: Gate) -> None:
+        self._done, self._gate = done, gate
+
+    def is_set(self) -> bool:
+        return self._done.is_set() or self._gate.pending is not None
+
+
+def _get(queue: ReadyQueue[NodeTask], stop: Flag | None, gate: Gate,
+         timeout: float | None = None) -> NodeTask | None:
+    """``queue.get``; on a thread with an installed Gate, a Ctrl-C is deferred while it
+    waits (polling every ``POLL`` s) and raised here once the item taken, if any, is back
+    on its queue: no node is lost between the queue and the thread."""
+    if gate.previous is None:
+        return queue.get(stop=stop, timeout=timeout)
+    assert stop is not None  # a thread with a Gate waits for a task: never a worker
+    deadline = None if timeout is None else time.monotonic() + timeout
+    item = None
+    mode, gate.mode = gate.mode, HELD
+    while item is None and not stop.is_set():
+        left = POLL if deadline is None else min(POLL, deadline - time.monotonic())
+        if left <= 0:
+            break
+        item = queue.get(stop=stop, timeout=left)
+    gate.mode = mode
+    if gate.pending is not None:
+        if item is not None:
+            assert item.grads is not None
+            queue.put(item, item.task.depth, item.node.sequence_nr)
+        gate.raise_pending()
+    return item
+
+
+def start_helper(pool: Pool[NodeTask], task: GraphTask, ready: list[Ready], at: Device,
+                 queue: ReadyQueue[NodeTask], kind: str) -> None:
+    """Start a helper thread ``pargrad-<at>-<kind>`` that drives ``task`` (from its
+    ``ready`` roots) on a fresh stack (``helper_main``)."""
+    pool.start_helper(functools.partial(helper_main, task, ready, at, queue, pool),
+                      f"pargrad-{at}-{kind}")
