@@ -339,13 +339,26 @@ class Node:
 _hooks_made_lock = threading.Lock()
 
 
+# How hooks see an array gradient: ``tensor.py`` registers ``Tensor._make`` here when it
+# is imported (``set_gradient_view``), since the graph sits below Tensor and cannot import
+# it. Written once at import time (under the import lock), read-only after.
+_gradient_view: Callable[[np.ndarray, Device], Any] | None = None
+
+
+def set_gradient_view(view: Callable[[np.ndarray, Device], Any]) -> None:
+    """Make ``view(array, device)`` the object hooks receive for an array gradient.
+
+    Called once, by ``pargrad/tensor.py`` at import: hooks get Tensors sharing the array.
+    """
+    global _gradient_view
+    _gradient_view = view
+
+
 def _wrap(grad: Grad | None, node: Node) -> Any:
     """A gradient as hooks see it: a Tensor (sharing the array), or None."""
-    if grad is None or not isinstance(grad, np.ndarray):
+    if grad is None or not isinstance(grad, np.ndarray) or _gradient_view is None:
         return grad
-    from pargrad.tensor import Tensor
-
-    return Tensor._make(grad, device=node.device)
+    return _gradient_view(grad, node.device)
 
 
 def _fit(node: Node, result: Any, like: Sequence[Any]) -> tuple[Any, ...]:
