@@ -18,8 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from pargrad.engine.base import Engine, current_engine
+from pargrad.engine.base import Engine
 from pargrad.engine.buffer import accumulate
+from pargrad.engine.selection import current_engine
 from pargrad.futures import BackwardFuture
 from pargrad.grad_mode import enable_grad
 from pargrad.graph import AccumulateGrad, BackwardError, Edge, Grad
