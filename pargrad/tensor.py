@@ -898,8 +898,8 @@ def check_saved_data(saved: Sequence[Any], arrays: Sequence[Any], what: str) -> 
 
 
 def _rebuild_leaf(data: np.ndarray, requires_grad: bool, grad: Tensor | None,
-                  on: Device = CPU) -> Tensor:
-    leaf = Tensor._make(data, device=on)
+                  device: Device = CPU) -> Tensor:
+    leaf = Tensor._make(data, device=device)
     leaf._requires_grad = requires_grad
     leaf._grad = grad
     return leaf
