@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import re
+import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -149,7 +150,7 @@ def _table(heading: str) -> list[list[str]]:
     lines = DESIGN.read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(heading))
     rows = []
-    for line in lines[start + 1:]:
+    for line in lines[start:]:
         if line.startswith("|"):
             rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
         elif rows:
@@ -187,3 +188,92 @@ def test_the_module_table_matches_the_imports_and_they_point_down() -> None:
                     f"{module} imports {target}, which docs/design.md's module table lists "
                     f"above it: imports must point down the table")
 
+
+
+LOCK_FACTORIES = {"Lock", "RLock", "Condition"}
+
+MADE_ELSEWHERE = {
+    "futures.BackwardFuture._condition":
+        "made by concurrent.futures.Future.__init__, the base class",
+}
+"""Locks of the table that pargrad does not create itself, each with where it comes from."""
+
+
+def _makes_lock(value: ast.expr | None) -> bool:
+    """Whether ``value`` is ``threading.Lock()`` (``RLock``, ``Condition``), or the bare call."""
+    if not isinstance(value, ast.Call):
+        return False
+    func = value.func
+    if isinstance(func, ast.Attribute):
+        return (func.attr in LOCK_FACTORIES and isinstance(func.value, ast.Name)
+                and func.value.id == "threading")
+    return isinstance(func, ast.Name) and func.id in LOCK_FACTORIES
+
+
+def locks_made(source: str, module: str) -> set[str]:
+    """Where ``source`` stores each lock or condition it makes: ``module.name`` at module
+    level, ``module.Class.attr`` for ``self.attr`` in a method, ``module.function.name``
+    for a function's local."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST, scope: list[str], in_class: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                visit(child, [*scope, child.name], True)
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                # a method's self.attr belongs to the class: keep the class as the scope
+                visit(child, scope if in_class else [*scope, child.name], False)
+                if not in_class:
+                    continue
+                for inner in ast.walk(child):
+                    if isinstance(inner, (ast.Assign, ast.AnnAssign)) and _makes_lock(
+                            inner.value):
+                        targets = inner.targets if isinstance(inner, ast.Assign) else [
+                            inner.target]
+                        found.update(".".join([module, *scope, t.attr]) for t in targets
+                                     if isinstance(t, ast.Attribute)
+                                     and isinstance(t.value, ast.Name) and t.value.id == "self")
+            elif isinstance(child, (ast.Assign, ast.AnnAssign)) and _makes_lock(child.value):
+                targets = child.targets if isinstance(child, ast.Assign) else [child.target]
+                found.update(".".join([module, *scope, t.id]) for t in targets
+                             if isinstance(t, ast.Name))
+            else:
+                visit(child, scope, in_class)
+
+    visit(ast.parse(source), [], False)
+    return found
+
+
+def test_locks_made_names_each_kind_of_place() -> None:
+    source = (
+        "import threading\n"
+        "_a = threading.Lock()\n"
+        "_c: threading.Condition = threading.Condition(_a)\n"
+        "class K:\n"
+        "    def __init__(self):\n"
+        "        self.lock = threading.RLock()\n"
+        "        other = object()\n"
+        "def f():\n"
+        "    lock = threading.Lock()\n"
+        "    def g():\n"
+        "        pass\n"
+    )
+    assert locks_made(source, "m") == {"m._a", "m._c", "m.K.lock", "m.f.lock"}
+
+
+def test_the_lock_table_names_exactly_the_locks_in_the_code() -> None:
+    made: set[str] = set()
+    for module, path in module_paths().items():
+        made |= locks_made(path.read_text(), _short(module))
+    named: set[str] = set()
+    for row in _table("| lock (its module"):
+        path = re.match(r"`([\w.]+)`", row[0])
+        assert path, f"the lock table's row {row[0]!r} must start with the lock's `path`"
+        named.add(path[1])
+        scope = path[1].rsplit(".", 1)[0]
+        named.update(f"{scope}.{name}" for name in re.findall(r"condition `(\w+)`", row[0]))
+    assert named - made - set(MADE_ELSEWHERE) == set(), "the table names locks the code lacks"
+    assert made - named == set(), "docs/design.md's lock table lacks these locks"
+    from pargrad.futures import BackwardFuture
+
+    assert isinstance(BackwardFuture()._condition, threading.Condition)
