@@ -18,8 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from pargrad.engine.base import BackwardRequest, Engine, current_engine
+from pargrad.engine.base import BackwardRequest, Engine
 from pargrad.engine.buffer import accumulate
+from pargrad.engine.selection import current_engine
 from pargrad.futures import BackwardFuture
 from pargrad.grad_mode import enable_grad
 from pargrad.graph import AccumulateGrad, BackwardError, Edge, Grad
@@ -273,18 +274,18 @@ class _GradCall(_Call):
         """One gradient per input, from what the engine kept."""
         results: list[Tensor | None] = []
         for i, (target, edge) in enumerate(zip(self.targets, self.edges)):
-            got = kept.get(edge)
-            if got is None:
+            grad = kept.get(edge)
+            if grad is None:
                 if not self.allow_unused:
                     raise RuntimeError(
                         f"grad: inputs[{i}] got no gradient: it was not used to compute "
                         f"the outputs; pass allow_unused=True to get None for it"
                     )
                 results.append(self._zeros(target) if self.materialize_grads else None)
-            elif isinstance(got, Tensor):
-                results.append(got)
+            elif isinstance(grad, Tensor):
+                results.append(grad)
             else:  # its own memory, as a .grad would be
-                results.append(Tensor._make(np.array(got), device=target.device))
+                results.append(Tensor._make(np.array(grad), device=target.device))
         return tuple(results)
 
 

@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from pargrad.engine.base import BackwardRequest, current_engine
+from pargrad.engine.base import BackwardRequest
+from pargrad.engine.selection import current_engine
 from pargrad.function import Function, FunctionCtx
 from pargrad.grad_mode import enable_grad, is_grad_enabled
 from pargrad.graph import AccumulateGrad, Grad, Node, next_sequence_nr

@@ -8,9 +8,11 @@ runs its backward on threads of its own. ``Tensor.to(device)`` moves a tensor (a
 differentiable copy).
 
 The interface is kept open for another array backend (CuPy on a GPU, say): a device
-names its array module in ``xp``, and nothing outside this module assumes that it is
-numpy. Building such a backend means a new device type here, a copy between array
-modules in ``to``, and rules that call ``xp`` instead of ``np``; no engine change.
+names its array module in ``xp``. Nothing reads ``xp`` yet: the rest of pargrad calls
+numpy directly (Tensor's arrays, the ops and their rules, ``Node.apply``'s zeros and
+``sum_to``, accumulation in ``engine/buffer.py``, creation and random). Such a backend
+means a new device type here, a copy between array modules in ``to``, and those calls
+made through ``xp``; the engines' scheduling would not change.
 """
 
 from __future__ import annotations

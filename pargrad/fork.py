@@ -35,7 +35,7 @@ import threading
 
 from pargrad import devices, graph, hooks, tensor, versions
 from pargrad import futures as _futures
-from pargrad.engine import base, blas, threaded, trace
+from pargrad.engine import blas, selection, threaded, trace
 
 GLOBAL_LOCKS: tuple[threading.Lock, ...] = (
     # The chain of the lock table's order: grad_lock -> _accumulator_lock -> _sequence_lock.
@@ -48,7 +48,7 @@ GLOBAL_LOCKS: tuple[threading.Lock, ...] = (
     graph._hooks_made_lock,
     hooks._lock,
     versions._lock,
-    base._default_lock,
+    selection._default_lock,
     devices._devices_lock,
     threaded._engines_lock,
     _futures._in_flight_lock,

@@ -209,19 +209,19 @@ class Function:
         several = isinstance(result, tuple)
         results = result if several else (result,)
         arrays = [_array(r) for r in results]  # None: not a tensor, returned as it is
-        on = common_device(args, f"{cls.__name__}.apply")
+        device = common_device(args, f"{cls.__name__}.apply")
         records = is_grad_enabled() and any(needs)
         _check_dirty(cls.__name__, ctx._dirty, args, results, records)
         node: FunctionNode | None = None
         if records:
-            node = FunctionNode(cls, ctx, args, arrays, on)
+            node = FunctionNode(cls, ctx, args, arrays, device)
         outputs: list[Any] = []
         for i, (r, a) in enumerate(zip(results, arrays)):
             first = next(j for j, earlier in enumerate(results) if earlier is r)
             if first < i:  # the same object returned again: the same output again
                 outputs.append(outputs[first])
             else:
-                outputs.append(r if a is None else _output(ctx, node, i, r, a, args, on))
+                outputs.append(r if a is None else _output(ctx, node, i, r, a, args, device))
         ctx._versions = saved_versions(ctx._saved or ())
         if node is not None:
             ctx._own_outputs(node, results, outputs, args)
@@ -258,7 +258,7 @@ def _check_dirty(name: str, dirty: tuple[Tensor, ...], args: tuple[Any, ...],
 
 
 def _output(ctx: FunctionCtx, node: Node | None, i: int, result: Any, array: np.ndarray,
-            args: tuple[Any, ...], on: Device) -> Tensor:
+            args: tuple[Any, ...], device: Device) -> Tensor:
     """Output ``i`` of ``Function.apply``: ``result`` as ``forward`` returned it."""
     differentiable = (node is not None and array.dtype.kind == "f"
                       and not any(result is n for n in ctx._non_differentiable))
@@ -266,11 +266,11 @@ def _output(ctx: FunctionCtx, node: Node | None, i: int, result: Any, array: np.
         if differentiable and result._view is not None:  # its base takes the change
             from pargrad.ops.inplace import rebase_view
 
-            rebase_view(result, Tensor._make(array, node, i, on))
+            rebase_view(result, Tensor._make(array, node, i, device))
         elif differentiable:
             result._rebase(node, i)
         return result
-    out = Tensor._make(array, node if differentiable else None, i, on)
+    out = Tensor._make(array, node if differentiable else None, i, device)
     if isinstance(result, Tensor):  # an input returned unchanged, or a Tensor forward made
         out._counter = counter_of(result)
     for a in args:  # sharing an input's memory: a view of it, without a chain to replay

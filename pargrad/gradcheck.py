@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from pargrad.engine.base import BackwardRequest, Engine, current_engine
+from pargrad.engine.base import BackwardRequest, Engine
+from pargrad.engine.selection import current_engine
 from pargrad.grad_mode import enable_grad, no_grad
 from pargrad.graph import Grad
 from pargrad.tensor import Tensor

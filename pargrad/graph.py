@@ -2,9 +2,9 @@
 
 A ``Node`` is one step of the backward pass. ``node.next_functions`` holds one edge per
 input of the forward operation, ``(next_node, input_nr)``, where ``input_nr`` says which
-output of ``next_node`` that input was (the seed's ``previous_functions``); the edge is
-``(None, 0)`` where the input needs no gradient. A leaf that requires grad is reached
-through an ``AccumulateGrad`` node, the sink that owns the leaf's gradient.
+output of ``next_node`` that input was; the edge is ``(None, 0)`` where the input needs
+no gradient. A leaf that requires grad is reached through an ``AccumulateGrad`` node,
+the sink that owns the leaf's gradient.
 
 This module knows nothing of engines or threads (the sequence counter's lock aside): an
 engine asks ``Dependencies`` when a node is ready and calls ``Node.apply``; everything a
@@ -76,7 +76,7 @@ class BackwardError(RuntimeError):
 
 
 class Node:
-    """One step of the backward pass (PyTorch's ``Node``; the seed's ``Function``).
+    """One step of the backward pass (PyTorch's ``Node``).
 
     Subclasses implement ``backward`` (output gradients -> input gradients) and, if they
     keep saved values, ``_free_saved``. Engines call ``apply``, which also checks every
@@ -339,13 +339,26 @@ class Node:
 _hooks_made_lock = threading.Lock()
 
 
+# How hooks see an array gradient: ``tensor.py`` registers ``Tensor._make`` here when it
+# is imported (``set_gradient_view``), since the graph sits below Tensor and cannot import
+# it. Written once at import time (under the import lock), read-only after.
+_gradient_view: Callable[[np.ndarray, Device], Any] | None = None
+
+
+def set_gradient_view(view: Callable[[np.ndarray, Device], Any]) -> None:
+    """Make ``view(array, device)`` the object hooks receive for an array gradient.
+
+    Called once, by ``pargrad/tensor.py`` at import: hooks get Tensors sharing the array.
+    """
+    global _gradient_view
+    _gradient_view = view
+
+
 def _wrap(grad: Grad | None, node: Node) -> Any:
     """A gradient as hooks see it: a Tensor (sharing the array), or None."""
-    if grad is None or not isinstance(grad, np.ndarray):
+    if grad is None or not isinstance(grad, np.ndarray) or _gradient_view is None:
         return grad
-    from pargrad.tensor import Tensor
-
-    return Tensor._make(grad, device=node.device)
+    return _gradient_view(grad, node.device)
 
 
 def _fit(node: Node, result: Any, like: Sequence[Any]) -> tuple[Any, ...]:
@@ -397,7 +410,7 @@ class AccumulateGrad(Node):
 
 
 class Dependencies:
-    """The dependency counters of one backward call: the seed's ``dependencies``.
+    """The dependency counters of one backward call (PyTorch's ``dependencies``).
 
     For every node reachable from the roots, one counter per output: how many edges
     still have to deliver a gradient to that output. A node is ready when the counters
@@ -438,7 +451,7 @@ class Dependencies:
                 owed[input_nr] += 1
 
     def is_ready(self, node: Node) -> bool:
-        """True when no edge still owes ``node`` a gradient (the seed's readiness test)."""
+        """True when no edge still owes ``node`` a gradient."""
         return not any(self.counts[node])
 
     def release(self, node: Node, output_nr: int) -> bool:

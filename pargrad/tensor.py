@@ -12,20 +12,23 @@ import threading
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pargrad.devices import CPU, Device
 from pargrad.devices import device as as_device
-from pargrad.graph import AccumulateGrad, Edge, Meta, Node
+from pargrad.graph import AccumulateGrad, Edge, Meta, Node, set_gradient_view
 from pargrad.hooks import Hook, NodeHooks, RemovableHandle
 from pargrad.numpy_names import numpy_names
 from pargrad.versions import Saved, VersionCounter, counter_of
 from pargrad.views import View, refresh
 
 if TYPE_CHECKING:
+    from pargrad import ops as _ops
     from pargrad.engine.base import Engine
+    from pargrad.ops import inplace as _inplace
 
 # Guards every tensor's _accumulator (the creation of a leaf's AccumulateGrad), so that
 # two threads recording graphs on one leaf share one accumulator instead of making two.
@@ -895,8 +898,8 @@ def check_saved_data(saved: Sequence[Any], arrays: Sequence[Any], what: str) -> 
 
 
 def _rebuild_leaf(data: np.ndarray, requires_grad: bool, grad: Tensor | None,
-                  on: Device = CPU) -> Tensor:
-    leaf = Tensor._make(data, device=on)
+                  device: Device = CPU) -> Tensor:
+    leaf = Tensor._make(data, device=device)
     leaf._requires_grad = requires_grad
     leaf._grad = grad
     return leaf
@@ -917,9 +920,23 @@ def tensor(
     return Tensor(data, requires_grad=requires_grad, dtype=dtype, device=device)
 
 
-# Imported last: the ops build Tensors, and Tensor's operators call the ops.
-from pargrad import ops as _ops  # noqa: E402
-from pargrad.ops import inplace as _inplace  # noqa: E402
+# Hooks get array gradients as Tensors sharing the array (the graph cannot import Tensor).
+set_gradient_view(lambda array, device: Tensor._make(array, device=device))
+
+# Tensor's operators call the ops, and the ops build Tensors: the ops package, which
+# imports this module, binds these two names when it is imported (``bind_ops``).
+if not TYPE_CHECKING:
+    _ops = _inplace = None
+
+
+def bind_ops(ops: ModuleType, inplace: ModuleType) -> None:
+    """Give Tensor's operators the ops they delegate to.
+
+    Called once by ``pargrad/ops/__init__.py`` at import (under the import lock); the
+    names are read-only after.
+    """
+    globals().update(_ops=ops, _inplace=inplace)
+
 
 # Methods with an axis: torch's dim= / keepdim= get a message naming numpy's keywords.
 for _name in ("sum", "mean", "max", "min", "logsumexp", "softmax", "log_softmax", "squeeze",

@@ -1,4 +1,4 @@
-"""The Engine interface and the choice of engine for a backward call.
+"""The Engine interface, and the calling thread's stack of engines (``use_engine``).
 
 An engine runs the backward pass over a graph: it asks ``Dependencies`` which nodes are
 ready, calls ``Node.apply`` on them, and moves gradients along edges. It never touches
@@ -6,13 +6,13 @@ ready, calls ``Node.apply`` on them, and moves gradients along edges. It never t
 commits that once the whole backward has succeeded.
 
 Which engine runs a backward: the ``engine=`` argument if given, else the innermost
-``use_engine`` block of the calling thread, else the process-wide default.
+``use_engine`` block of the calling thread, else the process-wide default
+(``pargrad/engine/selection.py``, which sits above the engines it makes).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
@@ -92,63 +92,8 @@ class Engine(ABC):
         return future
 
 
-# Guards _default_engine, so that creating the default lazily cannot overwrite a
-# concurrent set_default_engine.
-_default_lock = threading.Lock()
-_default_engine: Engine | None = None
 # Per-thread stack of engines chosen with use_engine; each thread touches only its own.
 _local = threading.local()
-
-
-ENGINE_VARIABLE = "PARGRAD_ENGINE"
-"""The environment variable that picks the default engine: ``threaded`` (the default)
-or ``sequential`` (the reference, for debugging). Read when the default is first made."""
-
-
-def get_default_engine() -> Engine:
-    """The process-wide default engine. Thread-safe.
-
-    A ``ThreadedEngine`` with the default workers, unless ``set_default_engine`` chose
-    another, or the environment variable ``PARGRAD_ENGINE`` is ``sequential`` (then a
-    ``SequentialEngine``). Raises ValueError if ``PARGRAD_ENGINE`` has another value.
-
-    >>> import pargrad
-    >>> isinstance(pargrad.get_default_engine(), pargrad.Engine)
-    True
-    """
-    global _default_engine
-    with _default_lock:
-        if _default_engine is None:
-            _default_engine = _engine_from_environment()
-        return _default_engine
-
-
-def _engine_from_environment() -> Engine:
-    from pargrad.engine.sequential import SequentialEngine
-    from pargrad.engine.threaded import ThreadedEngine
-
-    choice = os.environ.get(ENGINE_VARIABLE, "threaded").strip().lower()
-    if choice in ("", "threaded"):
-        return ThreadedEngine()
-    if choice == "sequential":
-        return SequentialEngine()
-    raise ValueError(
-        f"{ENGINE_VARIABLE}={os.environ[ENGINE_VARIABLE]!r} is not an engine; use "
-        f"'threaded' (the default) or 'sequential' (the reference engine)"
-    )
-
-
-def set_default_engine(engine: Engine) -> None:
-    """Make ``engine`` the process-wide default for backward calls. Thread-safe.
-
-    Threads inside a ``use_engine`` block keep their engine. Raises TypeError if
-    ``engine`` is not an Engine.
-    """
-    global _default_engine
-    if not isinstance(engine, Engine):
-        raise TypeError(f"expected a pargrad Engine, got {type(engine).__name__}")
-    with _default_lock:
-        _default_engine = engine
 
 
 @contextlib.contextmanager
@@ -173,19 +118,6 @@ def use_engine(engine: Engine) -> Iterator[Engine]:
         yield engine
     finally:
         stack.pop()
-
-
-def current_engine() -> Engine:
-    """The engine a backward call made now by this thread would use (without ``engine=``).
-
-    >>> import pargrad
-    >>> engine = pargrad.SequentialEngine()
-    >>> with pargrad.use_engine(engine):
-    ...     pargrad.current_engine() is engine
-    True
-    """
-    stack = _engine_stack()
-    return stack[-1] if stack else get_default_engine()
 
 
 def _engine_stack() -> list[Engine]:

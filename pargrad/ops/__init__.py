@@ -1,5 +1,9 @@
 """pargrad's differentiable operations, grouped by kind; see docs/ops.md for the table."""
 
+import sys
+
+from pargrad import tensor as _tensor
+from pargrad.ops import inplace as _inplace
 from pargrad.ops.core import Op, constant, defop, dispatch_function, dispatch_ufunc
 from pargrad.ops.elementwise import (
     abs,
@@ -54,6 +58,11 @@ from pargrad.ops.shape import (
     squeeze,
     stack,
 )
+
+# Tensor's operators (``x + y``, ``x.sum()``, ``x += y``) delegate to this package and to
+# the in-place ops; tensor.py sits below the ops and cannot import them, so they are bound
+# here, once every op above exists.
+_tensor.bind_ops(sys.modules[__name__], _inplace)
 
 __all__ = [
     "Op", "abs", "add", "argmax", "argmin", "astype", "broadcast_to", "clip", "concatenate",

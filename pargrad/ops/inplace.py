@@ -69,7 +69,7 @@ def _copy_slices_forward(base: np.ndarray, value: Any, *, chain: tuple[Step, ...
     return out
 
 
-def _outside(g: Any, chain: tuple[Step, ...]) -> Any:
+def _zero_view_region(g: Any, chain: tuple[Step, ...]) -> Any:
     """``g`` with zeros in the view's region: what the base kept of its old value."""
     if isinstance(g, Tensor):
         mask = np.ones(g.shape, g.dtype)
@@ -80,7 +80,7 @@ def _outside(g: Any, chain: tuple[Step, ...]) -> Any:
     return out
 
 
-def _inside(g: Any, chain: tuple[Step, ...]) -> Any:
+def _view_region(g: Any, chain: tuple[Step, ...]) -> Any:
     """The view's region of ``g``: the gradient of the view's new value."""
     return replay(g, chain) if isinstance(g, Tensor) else np.array(replay_array(g, chain))
 
@@ -88,8 +88,8 @@ def _inside(g: Any, chain: tuple[Step, ...]) -> Any:
 # The base of a view after the view was changed in place: the old base, with the view's
 # region (reached from the base by the view ops of ``chain``) replaced by the new value.
 _copy_slices = defop("copy_slices", _copy_slices_forward,
-                     lambda g, ans, base, value, *, chain: _outside(g, chain),
-                     lambda g, ans, base, value, *, chain: _inside(g, chain),
+                     lambda g, ans, base, value, *, chain: _zero_view_region(g, chain),
+                     lambda g, ans, base, value, *, chain: _view_region(g, chain),
                      needs_values=False)
 
 
