@@ -175,7 +175,7 @@ class GraphTask:
         root_nodes = {node for node, _ in roots if node is not None}
         # With targets (pargrad.grad): the nodes on a path to them, and which of those run.
         # ``counted``: both, already made by the engine (``graph.counting``).
-        self.dependencies, runs = counted or counting(root_nodes, request.targets)
+        self.dependencies, must_run = counted or counting(root_nodes, request.targets)
         # ``single``: the nodes that exactly one edge reaches, and no root gradient: their
         # one delivery makes them ready with just that gradient, so they need no buffer,
         # no counter and no lock (most nodes of a chain). ``sinks``: the nodes whose
@@ -186,7 +186,7 @@ class GraphTask:
         for node, owed in self.dependencies.counts.items():
             if len(owed) == 1 and owed[0] == 1 and node not in root_nodes:
                 single.append(node)
-            if isinstance(node, AccumulateGrad) or (runs is not None and not runs[node]):
+            if isinstance(node, AccumulateGrad) or (must_run is not None and not must_run[node]):
                 sinks.append(node)
         self.single = frozenset(single)
         self.sinks = frozenset(sinks)

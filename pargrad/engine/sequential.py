@@ -1,14 +1,14 @@
 """SequentialEngine: the reference backward engine, and the oracle for every other.
 
-The seed's algorithm, one node at a time on the calling thread:
+The reference algorithm (docs/design.md §2), one node at a time on the calling thread:
 
 1. Count, for every (node, output) reachable from the roots, the edges that will
-   deliver a gradient to it (``Dependencies``: the seed's ``_compute_dependencies``).
+   deliver a gradient to it (``Dependencies``).
 2. Put the root gradients into the roots' buffers; roots owed nothing are ready.
 3. Pop the ready node with the highest sequence number, call its backward, and add
    each result into the buffer of the node at the other end of the edge. Each delivery
-   lowers one counter (``_free_backward_dependency``); a node whose counters are all
-   zero is ready (``_is_ready_for_backward``) and joins the ready list.
+   lowers one counter (``Dependencies.release``); a node whose counters are all zero is
+   ready and joins the ready list.
 4. A leaf's AccumulateGrad is not called: its gathered gradient is returned.
 
 A call with ``inputs`` (``pargrad.grad``) counts and runs only the nodes on a path to
@@ -69,19 +69,19 @@ class SequentialEngine(Engine):
 
     def _execute(self, request: BackwardRequest) -> dict[Edge, Grad]:
         roots, targets = request.roots, request.targets
-        dependencies, runs = counting([node for node, _ in roots if node is not None], targets)
+        dependencies, must_run = counting([node for node, _ in roots if node is not None], targets)
         kept = Kept(targets, request.on_kept)
         queued = callbacks.Callbacks()  # pargrad.queue_callback's, run after the loop
         with (set_grad_enabled(request.create_graph), use_engine(self),
               callbacks.running(queued)):
-            run_graph(roots, request.grads, dependencies.counts, runs, kept,
+            run_graph(roots, request.grads, dependencies.counts, must_run, kept,
                       retain_graph=request.retain_graph)
         queued.run()
         return kept.grads
 
 
 def run_graph(roots: Sequence[Edge], grads: Sequence[Grad], counts: dict[Node, list[int]],
-              runs: dict[Node, bool] | None, kept: Kept, *, retain_graph: bool,
+              must_run: dict[Node, bool] | None, kept: Kept, *, retain_graph: bool,
               name_errors: bool = False, tally: ThreadCounts | None = None) -> None:
     """Run the backward of steps 2-4 on the calling thread: ``counts`` are the roots'
     ``Dependencies`` (only of ``runs``' nodes, with ``inputs``), and the gradients to
@@ -126,7 +126,7 @@ def run_graph(roots: Sequence[Edge], grads: Sequence[Grad], counts: dict[Node, l
             hooks = node._hooks
             if hooks is not None:
                 grads_ = node.run_tensor_hooks(grads_)
-            sink = isinstance(node, AccumulateGrad) or (runs is not None and not runs[node])
+            sink = isinstance(node, AccumulateGrad) or (must_run is not None and not must_run[node])
             if sink or node in wanted or (hooks is not None and hooks.retains):
                 kept.store(kept.select(node, grads_))
             if sink:

@@ -66,7 +66,8 @@ from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
 
 from pargrad import anomaly
-from pargrad.devices import CPU, Device, available_cores, device
+from pargrad.devices import CPU, Device, available_cores
+from pargrad.devices import device as as_device
 from pargrad.engine import blas
 from pargrad.engine.base import BackwardRequest, Engine, _engine_stack
 from pargrad.engine.graph_task import GraphTask, InlineRun, NodeTask, Ready
@@ -295,9 +296,9 @@ class ThreadedEngine(Engine):
         return (f"ThreadedEngine(workers={self._pool.workers(CPU)}, "
                 f"deterministic={self.deterministic})")
 
-    def workers(self, on: str | Device = "cpu") -> int:
-        """How many worker threads the device ``on`` gets."""
-        return self._pool.workers(device(on))
+    def workers(self, device: str | Device = "cpu") -> int:
+        """How many worker threads ``device`` gets."""
+        return self._pool.workers(as_device(device))
 
     def threads(self) -> list[threading.Thread]:
         """The worker threads started so far (workers start when their device first
@@ -321,7 +322,7 @@ class ThreadedEngine(Engine):
 
     def execute(self, request: BackwardRequest) -> dict[Edge, Grad]:
         pool = self._pool
-        on = home_device(pool)
+        home = home_device(pool)
         parent = current_task()
         depth = state.depth
         outermost = parent is None and state.pool is None
@@ -330,9 +331,9 @@ class ThreadedEngine(Engine):
                 outermost and self.limit_blas):
             counted = counting([node for node, _ in request.roots if node is not None],
                                request.targets)
-            if self._stays_inline(counted[0].counts, on):
+            if self._stays_inline(counted[0].counts, home):
                 return self._execute_inline(request, counted, parent=parent, depth=depth)
-        queue = pool.queue(on)
+        queue = pool.queue(home)
         caller = threading.current_thread()
 
         def on_done(task: GraphTask) -> None:
@@ -347,7 +348,7 @@ class ThreadedEngine(Engine):
         with gate_installed():
             task, ready = self._begin(request, parent=parent, nested=parent is not None,
                                       on_done=on_done, counted=counted)
-            self._drive_call(task, ready, parent, on, queue)
+            self._drive_call(task, ready, parent, home, queue)
         error = task.error
         self._counters.task_ended(failed=error is not None)
         if error is not None:
@@ -356,7 +357,7 @@ class ThreadedEngine(Engine):
         return task.captured()
 
     def _drive_call(self, task: GraphTask, ready: list[Ready], parent: GraphTask | InlineRun | None,
-                    on: Device, queue: ReadyQueue[NodeTask]) -> None:
+                    home: Device, queue: ReadyQueue[NodeTask]) -> None:
         """The calling thread's part of ``execute``: run ``task`` until it is over; an
         interrupt (or any BaseException) cancels it and is raised again at once."""
         pool = self._pool
@@ -368,7 +369,7 @@ class ThreadedEngine(Engine):
                 blas.limit(max(1, available_cores() // (pool.workers(CPU) + 1)))
                 limited = True
             if depth >= MAX_REENTRANT_DEPTH:
-                start_helper(pool, task, ready, on, queue, "reentrant")
+                start_helper(pool, task, ready, home, queue, "reentrant")
                 gate = current_gate()
                 gate.mode = NODE  # a blocking wait that holds nothing: Ctrl-C raises here
                 try:
@@ -378,7 +379,7 @@ class ThreadedEngine(Engine):
             else:
                 state.depth = depth + 1
                 try:
-                    drive(task, ready, on, queue, reraise=True)
+                    drive(task, ready, home, queue, reraise=True)
                 finally:
                     state.depth = depth
         except BaseException as exc:
@@ -389,9 +390,9 @@ class ThreadedEngine(Engine):
             if limited:
                 blas.restore()
 
-    def _stays_inline(self, counts: Mapping[Node, object], on: Device) -> bool:
+    def _stays_inline(self, counts: Mapping[Node, object], home: Device) -> bool:
         """Whether a backward is better run on the calling thread alone: all its nodes
-        are on device ``on`` and either none is worth handing to another thread (below
+        are on device ``home`` and either none is worth handing to another thread (below
         the hand-off threshold), or BLAS work dominates while BLAS already uses every
         core (the gate admits one BLAS node at a time): another thread's nodes would
         then only compete with BLAS's own threads for the cores (measured on wide-matmul:
@@ -399,7 +400,7 @@ class ThreadedEngine(Engine):
         threshold = self.handoff_threshold
         blas_cost = other_cost = 0
         for node in counts:
-            if node.device is not on:
+            if node.device is not home:
                 return False
             cost = node.cost
             if cost >= threshold and not isinstance(node, AccumulateGrad):  # sinks never run
@@ -454,8 +455,8 @@ class ThreadedEngine(Engine):
         helps). ``limit_blas`` does not apply. Errors of the arguments raise here; those
         of the backward go to the future."""
         pool = self._pool
-        on = home_device(pool)
-        queue = pool.queue(on)
+        home = home_device(pool)
+        queue = pool.queue(home)
         work = _AsyncWork(pool)
         future: BackwardFuture[dict[Edge, Grad]] = BackwardFuture(work)
         counters = self._counters
@@ -495,7 +496,7 @@ class ThreadedEngine(Engine):
                 if task.done.is_set():  # nothing to run (every root a sink), or start failed
                     return future
                 if task.serial:  # every node on one thread, in the reference's order
-                    start_helper(pool, task, ready, on, queue, "async")
+                    start_helper(pool, task, ready, home, queue, "async")
                 else:
                     for node, gathered in ready:
                         pool.queue(node.device).put(NodeTask(task, node, gathered),
