@@ -21,7 +21,7 @@ import numpy as np
 from pargrad.engine.base import current_engine
 from pargrad.function import Function, FunctionCtx
 from pargrad.grad_mode import enable_grad, is_grad_enabled
-from pargrad.graph import AccumulateGrad, Grad, Node, next_sequence_nr
+from pargrad.graph import AccumulateGrad, Grad, Node, next_sequence_nr, reachable
 from pargrad.tensor import Tensor
 
 
@@ -128,25 +128,18 @@ def _check_closed(outputs: list[Tensor], leaves: list[Tensor], start: int) -> No
     grad other than ``leaves``: a leaf fn closed over, or a node recorded before fn ran.
     Its gradient could not reach it: the checkpoint node has no edge to it."""
     ours = {id(leaf) for leaf in leaves}
-    stack: list[Node] = []
+    roots: list[Node] = []
     for o in outputs:
         if o.grad_fn is not None:
-            stack.append(o.grad_fn)
+            roots.append(o.grad_fn)
         elif o.requires_grad and id(o) not in ours:
             _not_closed(f"a leaf of shape {o.shape}")
-    seen: set[Node] = set()
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
+    for node in reachable(roots):  # all recorded by fn, unless it is not closed
         if isinstance(node, AccumulateGrad):
             if id(node.variable) not in ours:
                 _not_closed(f"a leaf of shape {node.variable.shape}")
         elif node.sequence_nr < start:
             _not_closed(f"{node.name()}, computed before fn was called")
-        else:
-            stack.extend(n for n, _ in node.next_functions if n is not None)
 
 
 def _not_closed(what: str) -> None:
