@@ -217,3 +217,85 @@ def test_switches_nest_restore_and_decorate() -> None:
     finally:
         pargrad.set_detect_anomaly(False)
     assert not pargrad.is_anomaly_enabled()
+
+
+def test_set_detect_anomaly_decorates() -> None:
+    @pargrad.set_detect_anomaly(True, check_nan=False)
+    def on() -> tuple[bool, bool]:
+        return pargrad.is_anomaly_enabled(), pargrad.is_anomaly_check_nan_enabled()
+
+    @pargrad.set_detect_anomaly(False)
+    def off() -> bool:
+        return pargrad.is_anomaly_enabled()
+
+    assert not pargrad.is_anomaly_enabled()  # decorating changed nothing
+    assert on() == (True, False) and on() == (True, False)  # each call sets it anew
+    assert not pargrad.is_anomaly_enabled()  # and restores it
+    with pargrad.detect_anomaly():
+        assert off() is False
+        assert pargrad.is_anomaly_enabled() and pargrad.is_anomaly_check_nan_enabled()
+        assert on() == (True, False)
+        assert pargrad.is_anomaly_check_nan_enabled()  # the caller's check_nan is back
+    assert not pargrad.is_anomaly_enabled()
+
+
+def test_anomaly_switches_restore_after_errors_and_nest_in_any_order() -> None:
+    @pargrad.set_detect_anomaly(True)
+    def fails() -> None:
+        assert pargrad.is_anomaly_enabled()
+        raise KeyError("inside")
+
+    with pytest.raises(KeyError):
+        fails()
+    assert not pargrad.is_anomaly_enabled()
+    with pytest.raises(KeyError), pargrad.detect_anomaly(check_nan=False):
+        raise KeyError("inside")
+    assert pargrad.anomaly.current_mode() == (False, True)
+
+    outer = pargrad.detect_anomaly(check_nan=False)
+    seen: list[tuple[bool, bool]] = []
+    with outer:
+        seen.append(pargrad.anomaly.current_mode())
+        with pargrad.set_detect_anomaly(False):
+            seen.append(pargrad.anomaly.current_mode())
+            with outer:  # one instance entered again, inside itself
+                seen.append(pargrad.anomaly.current_mode())
+                with pargrad.detect_anomaly():
+                    seen.append(pargrad.anomaly.current_mode())
+                seen.append(pargrad.anomaly.current_mode())
+            seen.append(pargrad.anomaly.current_mode())
+        seen.append(pargrad.anomaly.current_mode())
+    seen.append(pargrad.anomaly.current_mode())
+    assert seen == [(True, False), (False, True), (True, False), (True, True), (True, False),
+                    (False, True), (True, False), (False, True)]
+
+
+def test_detect_anomaly_on_a_generator_applies_to_its_steps() -> None:
+    @pargrad.detect_anomaly(check_nan=False)
+    def steps() -> Any:
+        for _ in range(3):
+            yield pargrad.anomaly.current_mode()
+
+    seen = []
+    for mode in steps():
+        seen.append((mode, pargrad.anomaly.current_mode()))  # the loop keeps its own mode
+    assert seen == [((True, False), (False, True))] * 3
+
+
+def test_one_detect_anomaly_instance_shared_by_threads() -> None:
+    shared = pargrad.detect_anomaly(check_nan=False)
+    barrier = threading.Barrier(4)
+    results: list[tuple[bool, bool]] = []
+
+    def worker() -> None:
+        with shared:
+            barrier.wait(10)
+            results.append(pargrad.anomaly.current_mode())
+        results.append(pargrad.anomaly.current_mode())
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert sorted(results) == [(False, True)] * 4 + [(True, False)] * 4
