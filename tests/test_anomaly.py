@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any, ClassVar
 
 import numpy as np
@@ -11,6 +10,7 @@ import pytest
 
 import pargrad
 from pargrad import Tensor
+from tests.helpers import Boom, sleeping_function
 
 
 def notes(exc: BaseException) -> str:
@@ -22,16 +22,6 @@ def nan_graph() -> tuple[Tensor, Tensor]:
     x = pargrad.tensor([0.0, 1.0, 4.0], requires_grad=True)
     loss = (x.sqrt() * np.array([0.0, 1.0, 1.0])).sum()  # forward: sqrt of x
     return x, loss
-
-
-class Fails(pargrad.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> np.ndarray:
-        return x.data * 2
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> np.ndarray:
-        raise ValueError("broken rule")
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -77,17 +67,17 @@ def test_without_anomaly_mode_or_check_nan_nan_passes_through(engine: pargrad.En
 def test_other_errors_carry_the_forward_stack(engine: pargrad.Engine) -> None:
     x = pargrad.tensor([1.0, 2.0], requires_grad=True)
     with pargrad.detect_anomaly():
-        y = Fails.apply(x * 3)  # the failing forward call
-        with pytest.raises(pargrad.BackwardError, match="FailsBackward: ValueError: broken rule"
+        y = Boom.apply(x * 3)  # the failing forward call
+        with pytest.raises(pargrad.BackwardError, match="BoomBackward: ValueError: boom"
                            ) as info:
             y.sum().backward()
     assert isinstance(info.value.__cause__, ValueError)
-    assert "y = Fails.apply(x * 3)  # the failing forward call" in notes(info.value)
+    assert "y = Boom.apply(x * 3)  # the failing forward call" in notes(info.value)
 
 
 def test_no_notes_outside_anomaly_mode(engine: pargrad.Engine) -> None:
     x = pargrad.tensor([1.0, 2.0], requires_grad=True)
-    y = Fails.apply(x)
+    y = Boom.apply(x)
     assert y.grad_fn is not None and y.grad_fn._forward_trace is None
     with pytest.raises(pargrad.BackwardError) as info:
         y.sum().backward()
@@ -119,17 +109,7 @@ def test_nodes_recorded_by_a_backward_under_anomaly_mode_keep_their_stack(
         "test_nodes_recorded_by_a_backward_under_anomaly_mode_keep_their_stack")
 
 
-class Slow(pargrad.Function):
-    """Identity whose backward takes a while, so that the caller stays busy."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> np.ndarray:
-        return x.data.copy()
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> Tensor:
-        time.sleep(0.05)
-        return g
+Slow = sleeping_function(0.05)  # keeps the caller busy
 
 
 class MakesNan(pargrad.Function):

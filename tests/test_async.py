@@ -21,7 +21,7 @@ import pytest
 import pargrad
 from pargrad import Tensor
 from tests.conftest import ENGINES
-from tests.helpers import blocking_function
+from tests.helpers import Boom, blocking_function
 
 THREADED = [name for name in ENGINES if name.startswith("threaded")]
 WAIT = 30  # seconds: a generous bound on anything these tests wait for
@@ -89,16 +89,6 @@ class Count(pargrad.Function):
     def backward(ctx: Any, g: Tensor) -> Tensor:
         Count.runs += 1
         return g
-
-
-class Boom(pargrad.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> np.ndarray:
-        return x.data * 1.0
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> Tensor:
-        raise ValueError("boom")
 
 
 # ----- values and errors, on every engine -----
