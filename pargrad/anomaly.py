@@ -22,18 +22,16 @@ the helpers below.
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import threading
 import traceback
-from collections.abc import Callable, Sequence
-from types import TracebackType
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-F = TypeVar("F", bound=Callable[..., Any])
+from pargrad.grad_mode import ModeContext, SetModeContext
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
@@ -74,7 +72,19 @@ def set_mode(state: tuple[bool, bool]) -> None:
     mode.enabled, mode.check_nan = state
 
 
-class detect_anomaly:
+def _saved_modes() -> list[tuple[bool, bool]]:
+    return mode.saved
+
+
+class _AnomalyModeContext(ModeContext):
+    """Base for anomaly-mode switches: the mode is ``current_mode()``."""
+
+    _read = staticmethod(current_mode)
+    _write = staticmethod(set_mode)
+    _saved = staticmethod(_saved_modes)
+
+
+class detect_anomaly(_AnomalyModeContext):
     """Context manager and decorator that turns anomaly mode on in this thread.
 
     Nodes created inside record the forward stack; a backward called inside checks
@@ -96,33 +106,12 @@ class detect_anomaly:
     """
 
     def __init__(self, check_nan: bool = True) -> None:
-        self.check_nan = bool(check_nan)
-
-    def __enter__(self) -> None:
-        mode.saved.append(current_mode())
-        set_mode((True, self.check_nan))
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        set_mode(mode.saved.pop())
-
-    def __call__(self, func: F) -> F:
-        """Use as a decorator: every call of ``func`` runs under anomaly mode."""
-
-        @functools.wraps(func)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            with self:
-                return func(*args, **kwargs)
-
-        return wrapper  # type: ignore[return-value]
+        self._mode = (True, bool(check_nan))
 
 
-class set_detect_anomaly:
-    """Set anomaly mode for this thread; as a context manager, restore it on exit.
+class set_detect_anomaly(SetModeContext, _AnomalyModeContext):
+    """Set anomaly mode for this thread; as a context manager, restore it on exit; as a
+    decorator, run every call of the function under it.
 
     Like ``torch.autograd.set_detect_anomaly``: the mode changes as soon as the object
     is created, so ``pargrad.set_detect_anomaly(True)`` works as a plain call too. An
@@ -130,20 +119,7 @@ class set_detect_anomaly:
     """
 
     def __init__(self, mode_: bool, check_nan: bool = True) -> None:
-        self._previous = current_mode()
-        set_mode((bool(mode_), bool(check_nan)))
-
-    def __enter__(self) -> None:
-        # The mode was already set in __init__; nothing more to do.
-        pass
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        set_mode(self._previous)
+        self._start((bool(mode_), bool(check_nan)))
 
 
 # ----- what nodes record and report -----

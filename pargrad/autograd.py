@@ -502,3 +502,46 @@ def _add_in_place(old: Tensor, grad: Grad) -> None:
     fail midway) and bump its version, as an in-place op would."""
     np.add(old.data, grad, out=old.data)
     counter_of(old).bump()
+
+
+# ----- vector-Jacobian products of a function's outputs (gradcheck, checkpoint) -----
+def _requires_grad(value: Any) -> bool:
+    return isinstance(value, Tensor) and value.requires_grad
+
+
+def _fn_outputs(result: Any, caller: str,
+                sequences: tuple[type[Sequence[Any]], ...] = (tuple,)
+                ) -> list[Tensor]:
+    """What a user's ``fn`` returned, as a list of Tensors: one Tensor, or a sequence of
+    one of the types ``sequences``. Raises TypeError naming ``caller`` otherwise."""
+    outputs = list(result) if isinstance(result, sequences) else [result]
+    for output in outputs:
+        if not isinstance(output, Tensor):
+            raise TypeError(f"{caller}: fn must return a Tensor or a tuple of Tensors, got a "
+                            f"{type(output).__name__}")
+    return outputs
+
+
+def _vjp(outputs: Sequence[Tensor], cotangents: Sequence[Any], inputs: Sequence[Tensor], *,
+         create_graph: bool, retain_graph: bool, engine: Engine | None = None
+         ) -> tuple[Tensor | None, ...]:
+    """``d(sum(cotangent * output))/d(input)`` for each of ``inputs`` (None where none
+    arrives), by ``grad``: touches no ``.grad``.
+
+    Outputs that do not require grad are left out, with their cotangents. A cotangent
+    (a Tensor or an array) is cast to its output's dtype (and, with ``create_graph``,
+    made a Tensor on its output's device, keeping its own graph if it has one).
+    """
+    pairs = [(o, c) for o, c in zip(outputs, cotangents) if o.requires_grad]
+    if not pairs or not inputs:
+        return (None,) * len(inputs)
+    grads: list[Any] = []
+    for o, c in pairs:
+        if create_graph:
+            c = c if isinstance(c, Tensor) else Tensor(c, device=o.device)
+            c = c if c.device is o.device else c.to(o.device)
+            grads.append(c if c.dtype == o.dtype else c.astype(o.dtype))
+        else:
+            grads.append(np.asarray(c.data if isinstance(c, Tensor) else c, dtype=o.dtype))
+    return grad([o for o, _ in pairs], inputs, grads, retain_graph=retain_graph,
+                create_graph=create_graph, allow_unused=True, engine=engine)

@@ -18,11 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from pargrad.engine.base import BackwardRequest
-from pargrad.engine.selection import current_engine
+from pargrad.autograd import _fn_outputs, _requires_grad, _vjp
 from pargrad.function import Function, FunctionCtx
 from pargrad.grad_mode import enable_grad, is_grad_enabled
-from pargrad.graph import AccumulateGrad, Grad, Node, next_sequence_nr
+from pargrad.graph import AccumulateGrad, Grad, Node, next_sequence_nr, reachable
 from pargrad.tensor import Tensor
 
 
@@ -60,7 +59,7 @@ class Checkpoint(Function):
         ctx.fn = fn  # type: ignore[attr-defined]
         ctx.save_for_backward(*args)
         result = fn(*args)  # grad mode is off here: nothing of fn is recorded
-        _outputs(result)
+        _fn_outputs(result, "checkpoint")
         return result
 
     @staticmethod
@@ -104,24 +103,16 @@ class _VectorJacobianProduct:
 
 
 def _recompute_vjp(fn: Callable[..., Any], inputs: list[Any], grads: Sequence[Any],
-                   wrt: list[int], create_graph: bool) -> list[Grad | None]:
+                   wrt: list[int], create_graph: bool) -> tuple[Tensor | None, ...]:
     """Run ``fn`` on ``inputs`` (leaves where they require grad) recording a graph, and
     backpropagate ``grads`` from its outputs to the inputs ``wrt`` (None where none
     arrives), on the current engine: from inside a node, a reentrant backward."""
     start = next_sequence_nr()  # every node fn records gets a larger number
     with enable_grad():
-        outputs = _outputs(fn(*inputs))
+        outputs = _fn_outputs(fn(*inputs), "checkpoint")
     leaves = [inputs[i] for i in wrt]
     _check_closed(outputs, leaves, start)
-    pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
-    if not pairs:
-        return [None] * len(leaves)
-    roots = [o._edge() for o, _ in pairs]
-    root_grads = [g if create_graph else np.asarray(g) for _, g in pairs]
-    edges = [leaf._edge() for leaf in leaves]
-    kept = current_engine().execute(BackwardRequest(roots, root_grads, retain_graph=create_graph,
-                                                    create_graph=create_graph, targets=edges))
-    return [kept.get(edge) for edge in edges]
+    return _vjp(outputs, grads, leaves, create_graph=create_graph, retain_graph=create_graph)
 
 
 def _check_closed(outputs: list[Tensor], leaves: list[Tensor], start: int) -> None:
@@ -129,25 +120,18 @@ def _check_closed(outputs: list[Tensor], leaves: list[Tensor], start: int) -> No
     grad other than ``leaves``: a leaf fn closed over, or a node recorded before fn ran.
     Its gradient could not reach it: the checkpoint node has no edge to it."""
     ours = {id(leaf) for leaf in leaves}
-    stack: list[Node] = []
+    roots: list[Node] = []
     for o in outputs:
         if o.grad_fn is not None:
-            stack.append(o.grad_fn)
+            roots.append(o.grad_fn)
         elif o.requires_grad and id(o) not in ours:
             _not_closed(f"a leaf of shape {o.shape}")
-    seen: set[Node] = set()
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
+    for node in reachable(roots):  # all recorded by fn, unless it is not closed
         if isinstance(node, AccumulateGrad):
             if id(node.variable) not in ours:
                 _not_closed(f"a leaf of shape {node.variable.shape}")
         elif node.sequence_nr < start:
             _not_closed(f"{node.name()}, computed before fn was called")
-        else:
-            stack.extend(n for n, _ in node.next_functions if n is not None)
 
 
 def _not_closed(what: str) -> None:
@@ -156,19 +140,6 @@ def _not_closed(what: str) -> None:
         f"checkpoint ({what}), so its gradient would be lost; pass every tensor fn "
         f"differentiates through as an argument: checkpoint(fn, x, weight)"
     )
-
-
-def _outputs(result: Any) -> list[Tensor]:
-    outs = list(result) if isinstance(result, tuple) else [result]
-    for o in outs:
-        if not isinstance(o, Tensor):
-            raise TypeError(f"checkpoint: fn must return a Tensor or a tuple of Tensors, got "
-                            f"a {type(o).__name__}")
-    return outs
-
-
-def _requires_grad(a: Any) -> bool:
-    return isinstance(a, Tensor) and a.requires_grad
 
 
 def _detached(a: Any) -> Any:

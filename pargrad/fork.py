@@ -52,6 +52,7 @@ GLOBAL_LOCKS: tuple[threading.Lock, ...] = (
     devices._devices_lock,
     threaded._engines_lock,
     _futures._in_flight_lock,
+    _futures._callbacks_lock,
     blas._lock,
     blas._gate_lock,
     trace._profiles_lock,

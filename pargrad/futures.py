@@ -31,21 +31,24 @@ Guarantees:
   ``cancel()`` cancels without waiting (it returns True; the future is cancelled once
   the node it was called from has finished).
 
-Assumptions: no GIL. The state is the base class's (guarded by its condition); ``_work``
-is set in ``__init__`` and read-only after. ``_set_cancelled`` and ``_invoke_callbacks``
-use the base class's private fields (``_condition``, ``_state``, ``_waiters``,
-``_done_callbacks``) as its own ``cancel`` and ``set_running_or_notify_cancel`` do;
-``tests/test_async.py`` checks the behaviour they give.
+Assumptions: no GIL. The state, result and waiters are the base class's, used only
+through its public methods (``set_result``, ``set_exception``, ``cancel``,
+``set_running_or_notify_cancel``, ``done``, ...). The done-callbacks are this class's
+own (``_callbacks``, guarded by ``_callbacks_lock``), so that it decides when they run:
+after every waiter is woken, past a callback's ``BaseException``. ``_work`` is set in
+``__init__`` and read-only after. One exception, for the fork handler only:
+``_fail_after_fork`` drops the base class's ``_waiters`` (the parent's threads').
+``tests/test_async.py`` checks the behaviour.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, wait
-from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED, LOGGER
 from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
@@ -73,6 +76,14 @@ class Work(Protocol):
 _in_flight_lock = threading.Lock()
 _in_flight: weakref.WeakSet[BackwardFuture[Any]] = weakref.WeakSet()
 
+# Guards every BackwardFuture's _callbacks, _called and _cancelling (held only to read
+# or swap them, never while a callback runs). One lock for all futures, so that the
+# fork handler can hold it across a fork (fork.GLOBAL_LOCKS).
+_callbacks_lock = threading.Lock()
+
+# The logger of concurrent.futures, which logs a done-callback's exception.
+_LOGGER = logging.getLogger("concurrent.futures")
+
 
 class BackwardFuture(Future[T]):
     """A ``concurrent.futures.Future`` of a backward; see the module doc.
@@ -89,6 +100,11 @@ class BackwardFuture(Future[T]):
     def __init__(self, work: Work | None = None) -> None:
         super().__init__()
         self._work = work  # None: resolved by whoever made it, nothing to cancel or help
+        # The done-callbacks not yet run, and whether they have been (the future is
+        # resolved): guarded by _callbacks_lock.
+        self._callbacks: list[Callable[[Future[T]], object]] = []
+        self._called = False
+        self._cancelling = False  # whether _set_cancelled was called
         if work is not None:
             with _in_flight_lock:
                 _in_flight.add(self)
@@ -110,7 +126,10 @@ class BackwardFuture(Future[T]):
         """
         work = self._work
         if work is None or self.done():
-            return super().cancel()
+            cancelled = super().cancel()
+            if cancelled and work is None:  # it may have been pending: its callbacks run
+                self._run_callbacks()  # now, as the base class's cancel runs them
+            return cancelled
         cancelled = work.cancel()  # False: it completed, or a node's error came first
         if not work.inside():
             # Either way, return only once the future is resolved: a False must mean
@@ -162,31 +181,60 @@ class BackwardFuture(Future[T]):
                 "threads do not exist in the child, so it cannot finish here: run the "
                 "backward again in the child (the engine is usable there)"))
 
+    def add_done_callback(self, fn: Callable[[Future[T]], object]) -> None:
+        """Call ``fn(future)`` once the future is resolved (at once if it is): on the
+        thread that resolves it, after every waiter has been woken. An ``Exception``
+        it raises is logged, as by any Future."""
+        with _callbacks_lock:
+            if not self._called:
+                self._callbacks.append(fn)
+                return
+        try:
+            fn(self)
+        except BaseException:  # as the base class's: nobody else could get it
+            _LOGGER.exception("exception calling callback for %r", self)
+
+    def set_result(self, result: T) -> None:
+        """Resolve with ``result``, wake the waiters, then run the callbacks (as
+        ``_run_callbacks``). For engines."""
+        super().set_result(result)
+        self._run_callbacks()
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        """Resolve with ``exception``, wake the waiters, then run the callbacks (as
+        ``_run_callbacks``). For engines."""
+        super().set_exception(exception)
+        self._run_callbacks()
+
     # ----- for engines -----
     def _set_cancelled(self) -> None:
         """Resolve as cancelled (the backward was cancelled and is over): wake every
         waiter, ``concurrent.futures.wait`` included, then run the callbacks. (The base
-        class's ``cancel`` runs the callbacks first and leaves waiters of ``wait`` to
-        ``set_running_or_notify_cancel``, so a callback waiting for this future would
-        wait forever.)"""
-        with self._condition:
-            if self._state in (CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED):
+        class's ``cancel`` wakes only ``result()``'s waiters and leaves those of
+        ``wait`` to ``set_running_or_notify_cancel``; this class's callbacks run after
+        both, so a callback may wait for this future.)"""
+        with _callbacks_lock:
+            if self._cancelling:  # another call does it
                 return
-            self._state = CANCELLED_AND_NOTIFIED
-            for waiter in self._waiters:
-                waiter.add_cancelled(self)
-            self._condition.notify_all()
-        self._invoke_callbacks()
+            self._cancelling = True
+        if super().cancel():  # PENDING -> CANCELLED (False: it finished first)
+            self.set_running_or_notify_cancel()  # -> CANCELLED_AND_NOTIFIED: wakes wait()
+            self._run_callbacks()
 
-    def _invoke_callbacks(self) -> None:
-        """Run every done-callback, as the base class does (an ``Exception`` is logged),
-        but go on past another ``BaseException`` and raise the first one at the end."""
+    def _run_callbacks(self) -> None:
+        """Run every done-callback not yet run (the future is resolved), in the order
+        they were added: an ``Exception`` is logged, as by the base class, and another
+        ``BaseException`` does not stop the callbacks after it: the first one is raised
+        once all have run."""
+        with _callbacks_lock:
+            self._called = True
+            callbacks, self._callbacks = self._callbacks, []
         escaped: BaseException | None = None
-        for callback in self._done_callbacks:  # type: ignore[attr-defined]
+        for callback in callbacks:
             try:
                 callback(self)
             except Exception:
-                LOGGER.exception("exception calling callback for %r", self)
+                _LOGGER.exception("exception calling callback for %r", self)
             except BaseException as exc:
                 escaped = escaped if escaped is not None else exc
         if escaped is not None:

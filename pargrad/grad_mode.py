@@ -42,18 +42,34 @@ def _saved_modes() -> list[bool]:
     return saved
 
 
-class _GradModeContext:
-    """Base for grad-mode switches usable as context managers and as decorators.
+class ModeContext:
+    """Base for switches of a thread-local mode (grad mode here, anomaly mode in
+    anomaly.py) usable as context managers and as decorators.
 
-    The mode to restore is kept per thread, so one instance may be entered by several
-    threads at once (or re-entered) without mixing up their modes.
+    A subclass says how to read and set the calling thread's mode (``_read``,
+    ``_write``) and where the thread keeps the modes to restore (``_saved``: a list,
+    innermost last); an instance switches to ``_mode``. The mode to restore is kept per
+    thread, so one instance may be entered by several threads at once (or re-entered)
+    without mixing up their modes.
     """
 
-    _mode: bool
+    _mode: Any
+
+    @staticmethod
+    def _read() -> Any:
+        raise NotImplementedError
+
+    @staticmethod
+    def _write(mode: Any, /) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def _saved() -> list[Any]:
+        raise NotImplementedError
 
     def __enter__(self) -> None:
-        _saved_modes().append(is_grad_enabled())
-        _set_enabled(self._mode)
+        self._saved().append(self._read())
+        self._write(self._mode)
 
     def __exit__(
         self,
@@ -61,7 +77,7 @@ class _GradModeContext:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        _set_enabled(_saved_modes().pop())
+        self._write(self._saved().pop())
 
     def __call__(self, func: F) -> F:
         """Use as a decorator: every call of ``func`` runs under this mode; for a
@@ -102,8 +118,54 @@ class _GradModeContext:
 
         return generator
 
-    def _fresh(self) -> _GradModeContext:
+    def _fresh(self) -> ModeContext:
         return self  # the saved modes live in the thread, so one instance serves all calls
+
+
+class SetModeContext(ModeContext):
+    """A switch that sets its mode as soon as it is created, as ``torch.set_grad_enabled``
+    does: a plain call sets the mode; as a context manager it restores the mode it found
+    on exit; as a decorator, creating it leaves the mode unchanged and every call of the
+    function runs under the mode. An instance belongs to the thread that created it.
+    A subclass's ``__init__`` calls ``_start(mode)``.
+    """
+
+    _previous: Any
+
+    def _start(self, mode: Any) -> None:
+        self._mode = mode
+        self._previous = self._read()
+        self._write(mode)
+
+    def __enter__(self) -> None:
+        # The mode was already set by _start; nothing more to do.
+        pass
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._write(self._previous)
+
+    def __call__(self, func: F) -> F:
+        # Used as a decorator, creating this object must not leave the mode changed.
+        self._write(self._previous)
+        return super().__call__(func)
+
+    def _fresh(self) -> ModeContext:
+        fresh = object.__new__(type(self))  # each call sets (and restores) the mode anew
+        fresh._start(self._mode)
+        return fresh
+
+
+class _GradModeContext(ModeContext):
+    """Base for grad-mode switches: the mode is ``is_grad_enabled()``."""
+
+    _read = staticmethod(is_grad_enabled)
+    _write = staticmethod(_set_enabled)
+    _saved = staticmethod(_saved_modes)
 
 
 class _BareDecorator(_GradModeContext):
@@ -138,8 +200,9 @@ class enable_grad(_BareDecorator):
     _mode = True
 
 
-class set_grad_enabled(_GradModeContext):
-    """Set grad mode for this thread; as a context manager, restore it on exit.
+class set_grad_enabled(SetModeContext, _GradModeContext):
+    """Set grad mode for this thread; as a context manager, restore it on exit; as a
+    decorator, run every call of the function under it.
 
     Like ``torch.set_grad_enabled``: the mode changes as soon as the object is
     created, so ``pargrad.set_grad_enabled(False)`` works as a plain call too. An
@@ -147,26 +210,4 @@ class set_grad_enabled(_GradModeContext):
     """
 
     def __init__(self, mode: bool) -> None:
-        self._mode = bool(mode)
-        self._previous = is_grad_enabled()
-        _set_enabled(self._mode)
-
-    def __enter__(self) -> None:
-        # The mode was already set in __init__; nothing more to do.
-        pass
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        _set_enabled(self._previous)
-
-    def __call__(self, func: F) -> F:
-        # Used as a decorator, creating this object must not leave the mode changed.
-        _set_enabled(self._previous)
-        return super().__call__(func)
-
-    def _fresh(self) -> _GradModeContext:
-        return set_grad_enabled(self._mode)
+        self._start(bool(mode))

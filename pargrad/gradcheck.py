@@ -5,8 +5,8 @@ gradient that a ``create_graph=True`` backward records is itself checked by
 ``gradcheck``, against finite differences of first-order backward calls (as
 ``torch.autograd.gradgradcheck`` does).
 
-Both work on fresh leaf copies of the inputs and read gradients from the engine
-directly, so they never touch the caller's tensors or any ``.grad``. Finite differences
+Both work on fresh leaf copies of the inputs and take gradients with ``pargrad.grad``,
+so they never touch the caller's tensors or any ``.grad``. Finite differences
 are taken in float64 whatever the inputs' dtype; analytical gradients are computed in
 the inputs' own dtype, so float32 inputs need tolerances to match.
 """
@@ -18,10 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from pargrad.engine.base import BackwardRequest, Engine
-from pargrad.engine.selection import current_engine
+from pargrad.autograd import _fn_outputs, _requires_grad, _vjp
+from pargrad.engine.base import Engine
 from pargrad.grad_mode import enable_grad, no_grad
-from pargrad.graph import Grad
 from pargrad.tensor import Tensor
 
 
@@ -144,40 +143,13 @@ def _first_derivatives(fn: Callable[..., Any], xs: list[Any], us: list[Any], wrt
               if i in wrt and not x.requires_grad else x for i, x in enumerate(xs)]
         outputs = _outputs(fn(*xs), "gradgradcheck")
         leaves = [xs[i] for i in wrt]
-        grads = _leaf_grads(outputs, us, leaves, create_graph=True, engine=engine)
+        grads = _vjp(outputs, us, leaves, create_graph=True, retain_graph=True, engine=engine)
     return tuple(Tensor(np.zeros(x.shape, x.dtype)) if g is None else g
                  for g, x in zip(grads, leaves))
 
 
-def _leaf_grads(outputs: list[Tensor], cotangents: list[Any], leaves: list[Tensor], *,
-                create_graph: bool, engine: Engine | None) -> list[Grad | None]:
-    """d(sum(cotangent * output))/d(leaf) for each leaf (None where it gets none), straight
-    from the engine: no ``.grad`` is read or written. Keeps the graph for another call."""
-    pairs = [(o, c) for o, c in zip(outputs, cotangents) if o.requires_grad]
-    if not pairs:
-        return [None] * len(leaves)
-    roots = [o._edge() for o, _ in pairs]
-    grads: list[Grad] = []
-    for o, c in pairs:
-        if create_graph:
-            c = c if isinstance(c, Tensor) else Tensor(c, device=o.device)
-            c = c if c.device is o.device else c.to(o.device)
-            grads.append(c if c.dtype == o.dtype else c.astype(o.dtype))
-        else:
-            grads.append(np.asarray(c.data if isinstance(c, Tensor) else c, dtype=o.dtype))
-    run = engine if engine is not None else current_engine()
-    edges = [leaf._edge() for leaf in leaves]
-    kept = run.execute(BackwardRequest(roots, grads, retain_graph=True,
-                                       create_graph=create_graph, targets=edges))
-    return [kept.get(edge) for edge in edges]
-
-
 def _as_list(inputs: Any) -> list[Any]:
     return list(inputs) if isinstance(inputs, (list, tuple)) else [inputs]
-
-
-def _requires_grad(a: Any) -> bool:
-    return isinstance(a, Tensor) and a.requires_grad
 
 
 def _fresh_leaves(args: list[Any]) -> list[Any]:
@@ -187,11 +159,7 @@ def _fresh_leaves(args: list[Any]) -> list[Any]:
 
 
 def _outputs(result: Any, name: str = "gradcheck") -> list[Tensor]:
-    outs = list(result) if isinstance(result, (list, tuple)) else [result]
-    for o in outs:
-        if not isinstance(o, Tensor):
-            raise TypeError(f"{name}: fn must return Tensors, got {type(o).__name__}")
-    return outs
+    return _fn_outputs(result, name, (list, tuple))
 
 
 class _Check:
@@ -229,8 +197,8 @@ class _Check:
 
     def _vjp(self, cotangents: list[np.ndarray], i: int) -> np.ndarray:
         leaf = self.leaves[i]
-        (grad,) = _leaf_grads(self.outputs, cotangents, [leaf], create_graph=False,
-                              engine=self.engine)
+        (grad,) = _vjp(self.outputs, cotangents, [leaf], create_graph=False,
+                       retain_graph=True, engine=self.engine)
         return np.zeros(leaf.shape) if grad is None else np.asarray(grad, dtype=np.float64)
 
     def _evaluate(self, i: int, value: np.ndarray) -> np.ndarray:

@@ -409,6 +409,37 @@ class AccumulateGrad(Node):
         return self.variable._leaf_hooks()  # one NodeHooks for the leaf and its accumulator
 
 
+def reachable(roots: Iterable[Node], within: Container[Node] | None = None
+              ) -> dict[Node, list[int]]:
+    """Every node reachable from ``roots`` along ``next_functions``, each mapped to how
+    many edges lead into each of its outputs (one count per output): the one graph walk
+    (dependency counting, ``needed``, ``viz.nodes``, checkpoint's closure check).
+
+    With ``within``, only the nodes in it are entered (and counted). Iterative, so
+    graphs of any depth work; the insertion order is that of discovery, roots first.
+    Every backward calls it: keep the loop tight.
+    """
+    counts: dict[Node, list[int]] = {}
+    stack: list[Node] = []
+    for root in roots:
+        if root not in counts and (within is None or root in within):
+            counts[root] = [0] * len(root._output_meta)
+            stack.append(root)
+    find, push, pop = counts.get, stack.append, stack.pop
+    while stack:
+        for next_node, input_nr in pop().next_functions:
+            if next_node is None:
+                continue
+            owed = find(next_node)
+            if owed is None:
+                if within is not None and next_node not in within:
+                    continue
+                owed = counts[next_node] = [0] * len(next_node._output_meta)
+                push(next_node)
+            owed[input_nr] += 1
+    return counts
+
+
 class Dependencies:
     """The dependency counters of one backward call (PyTorch's ``dependencies``).
 
@@ -425,30 +456,12 @@ class Dependencies:
     __slots__ = ("counts",)
 
     def __init__(self, roots: Iterable[Node], within: Container[Node] | None = None) -> None:
-        """Count the edges into every (node, output) reachable from ``roots`` (iteratively).
+        """Count the edges into every (node, output) reachable from ``roots``.
 
         With ``within`` (``needed``'s nodes), only the nodes in it are counted: a backward
         that runs just what some inputs need.
         """
-        counts: dict[Node, list[int]] = {}
-        self.counts = counts
-        stack: list[Node] = []
-        for root in roots:
-            if root not in counts and (within is None or root in within):
-                counts[root] = [0] * len(root._output_meta)
-                stack.append(root)
-        find, push, pop = counts.get, stack.append, stack.pop
-        while stack:
-            for next_node, input_nr in pop().next_functions:
-                if next_node is None:
-                    continue
-                owed = find(next_node)
-                if owed is None:
-                    if within is not None and next_node not in within:
-                        continue
-                    owed = counts[next_node] = [0] * len(next_node._output_meta)
-                    push(next_node)
-                owed[input_nr] += 1
+        self.counts = reachable(roots, within)
 
     def is_ready(self, node: Node) -> bool:
         """True when no edge still owes ``node`` a gradient."""
@@ -470,21 +483,16 @@ def needed(roots: Iterable[Node], targets: Iterable[Edge]) -> dict[Node, bool]:
     node whose gradients are only to be kept (a target with nothing needed beyond it, and
     every ``AccumulateGrad``). Targets not reachable from the roots are absent.
     """
-    parents: dict[Node, list[Node]] = {}
-    stack: list[Node] = []
-    for root in roots:
-        if root not in parents:
-            parents[root] = []
-            stack.append(root)
-    while stack:
-        node = stack.pop()
+    return _needed(reachable(roots), targets)
+
+
+def _needed(reached: dict[Node, list[int]], targets: Iterable[Edge]) -> dict[Node, bool]:
+    """``needed`` among the nodes ``reached`` (what ``reachable`` returned for the roots)."""
+    parents: dict[Node, list[Node]] = {node: [] for node in reached}
+    for node in reached:
         for next_node, _ in node.next_functions:
-            if next_node is None:
-                continue
-            if next_node not in parents:
-                parents[next_node] = []
-                stack.append(next_node)
-            parents[next_node].append(node)
+            if next_node is not None:
+                parents[next_node].append(node)
     runs: dict[Node, bool] = {}
     stack = [t for t in dict.fromkeys(node for node, _ in targets) if t in parents]
     for target in stack:
@@ -502,8 +510,16 @@ def counting(root_nodes: Collection[Node], inputs: Iterable[Edge] | None
     """The dependencies of a backward from ``root_nodes`` and, with ``inputs`` (the
     edges ``pargrad.grad`` wants), the nodes it needs (``needed``), counted only among
     those: what every engine counts with."""
-    runs = None if inputs is None else needed(root_nodes, inputs)
-    return Dependencies(root_nodes, within=runs), runs
+    if inputs is None:
+        return Dependencies(root_nodes), None
+    reached = reachable(root_nodes)
+    runs = _needed(reached, inputs)
+    # Every parent of a needed node is needed (``_needed`` walks up through all of
+    # them), so the edges into a needed node all come from needed nodes: its counts
+    # among the needed nodes are the ones ``reached`` holds, and no second walk is due.
+    dependencies = Dependencies(())
+    dependencies.counts = {node: owed for node, owed in reached.items() if node in runs}
+    return dependencies, runs
 
 
 class Kept:

@@ -21,7 +21,7 @@ import numpy as np
 
 from pargrad.devices import CPU
 from pargrad.function import FunctionNode
-from pargrad.graph import ACCUMULATOR_PRIORITY, AccumulateGrad, Meta, Node
+from pargrad.graph import ACCUMULATOR_PRIORITY, AccumulateGrad, Meta, Node, reachable
 from pargrad.ops.core import OpNode
 from pargrad.tensor import Tensor
 
@@ -33,24 +33,17 @@ SAVED_COLOR = "#fdd0a2"
 def nodes(*tensors: Tensor) -> list[Node]:
     """Every node a backward from ``tensors`` would reach, each once, newest first.
 
-    Walks ``next_functions`` iteratively from each tensor's ``grad_fn`` (or, for a leaf
-    that requires grad, its ``AccumulateGrad`` if a graph holds one), so it works on
-    graphs of any depth.
+    Walks ``next_functions`` (``graph.reachable``) from each tensor's ``grad_fn`` (or,
+    for a leaf that requires grad, its ``AccumulateGrad`` if a graph holds one), so it
+    works on graphs of any depth.
 
     >>> import pargrad
     >>> x = pargrad.tensor([1.0, 2.0], requires_grad=True)
     >>> [n.name() for n in pargrad.viz.nodes((x * x).sum())]
     ['SumBackward', 'MultiplyBackward', 'AccumulateGrad']
     """
-    seen: set[Node] = set()
-    stack = [n for n in (_root_node(t) for t in tensors) if n is not None]
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        stack.extend(n for n, _ in node.next_functions if n is not None)
-    return sorted(seen, key=lambda n: -_created(n))
+    roots = [n for n in (_root_node(t) for t in tensors) if n is not None]
+    return sorted(reachable(roots), key=lambda n: -_created(n))
 
 
 def _created(node: Node) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -33,3 +34,35 @@ def blocking_function(wait: float) -> Any:
             return g
 
     return Block
+
+
+class Boom(pargrad.Function):
+    """The identity, whose backward raises ``ValueError("boom")``: a node that fails
+    (``BoomBackward`` in the errors)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> np.ndarray:
+        return x.data.copy()
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> Tensor:
+        raise ValueError("boom")
+
+
+def sleeping_function(seconds: float) -> Any:
+    """A new identity ``Function`` class (``SleepBackward``) whose backward sleeps
+    ``seconds``: a node that keeps the thread running it busy."""
+
+    class Sleep(pargrad.Function):
+        """Identity whose backward sleeps."""
+
+        @staticmethod
+        def forward(ctx: Any, x: Tensor) -> np.ndarray:
+            return x.data.copy()
+
+        @staticmethod
+        def backward(ctx: Any, g: Tensor) -> Tensor:
+            time.sleep(seconds)
+            return g
+
+    return Sleep

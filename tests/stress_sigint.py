@@ -28,21 +28,12 @@ import numpy as np
 
 import pargrad
 from pargrad import Tensor
+from tests.helpers import sleeping_function
 
 DEADLINE = 60.0  # seconds without progress that count as a hang (the run then exits)
 
 
-class Sleep(pargrad.Function):
-    """Identity whose backward sleeps 2 ms."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> np.ndarray:
-        return x.data.copy()
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> Tensor:
-        time.sleep(0.002)
-        return g
+Sleep = sleeping_function(0.002)
 
 
 @dataclass

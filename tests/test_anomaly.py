@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any, ClassVar
 
 import numpy as np
@@ -11,6 +10,7 @@ import pytest
 
 import pargrad
 from pargrad import Tensor
+from tests.helpers import Boom, sleeping_function
 
 
 def notes(exc: BaseException) -> str:
@@ -22,16 +22,6 @@ def nan_graph() -> tuple[Tensor, Tensor]:
     x = pargrad.tensor([0.0, 1.0, 4.0], requires_grad=True)
     loss = (x.sqrt() * np.array([0.0, 1.0, 1.0])).sum()  # forward: sqrt of x
     return x, loss
-
-
-class Fails(pargrad.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> np.ndarray:
-        return x.data * 2
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> np.ndarray:
-        raise ValueError("broken rule")
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -77,17 +67,17 @@ def test_without_anomaly_mode_or_check_nan_nan_passes_through(engine: pargrad.En
 def test_other_errors_carry_the_forward_stack(engine: pargrad.Engine) -> None:
     x = pargrad.tensor([1.0, 2.0], requires_grad=True)
     with pargrad.detect_anomaly():
-        y = Fails.apply(x * 3)  # the failing forward call
-        with pytest.raises(pargrad.BackwardError, match="FailsBackward: ValueError: broken rule"
+        y = Boom.apply(x * 3)  # the failing forward call
+        with pytest.raises(pargrad.BackwardError, match="BoomBackward: ValueError: boom"
                            ) as info:
             y.sum().backward()
     assert isinstance(info.value.__cause__, ValueError)
-    assert "y = Fails.apply(x * 3)  # the failing forward call" in notes(info.value)
+    assert "y = Boom.apply(x * 3)  # the failing forward call" in notes(info.value)
 
 
 def test_no_notes_outside_anomaly_mode(engine: pargrad.Engine) -> None:
     x = pargrad.tensor([1.0, 2.0], requires_grad=True)
-    y = Fails.apply(x)
+    y = Boom.apply(x)
     assert y.grad_fn is not None and y.grad_fn._forward_trace is None
     with pytest.raises(pargrad.BackwardError) as info:
         y.sum().backward()
@@ -119,17 +109,7 @@ def test_nodes_recorded_by_a_backward_under_anomaly_mode_keep_their_stack(
         "test_nodes_recorded_by_a_backward_under_anomaly_mode_keep_their_stack")
 
 
-class Slow(pargrad.Function):
-    """Identity whose backward takes a while, so that the caller stays busy."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> np.ndarray:
-        return x.data.copy()
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> Tensor:
-        time.sleep(0.05)
-        return g
+Slow = sleeping_function(0.05)  # keeps the caller busy
 
 
 class MakesNan(pargrad.Function):
@@ -217,3 +197,85 @@ def test_switches_nest_restore_and_decorate() -> None:
     finally:
         pargrad.set_detect_anomaly(False)
     assert not pargrad.is_anomaly_enabled()
+
+
+def test_set_detect_anomaly_decorates() -> None:
+    @pargrad.set_detect_anomaly(True, check_nan=False)
+    def on() -> tuple[bool, bool]:
+        return pargrad.is_anomaly_enabled(), pargrad.is_anomaly_check_nan_enabled()
+
+    @pargrad.set_detect_anomaly(False)
+    def off() -> bool:
+        return pargrad.is_anomaly_enabled()
+
+    assert not pargrad.is_anomaly_enabled()  # decorating changed nothing
+    assert on() == (True, False) and on() == (True, False)  # each call sets it anew
+    assert not pargrad.is_anomaly_enabled()  # and restores it
+    with pargrad.detect_anomaly():
+        assert off() is False
+        assert pargrad.is_anomaly_enabled() and pargrad.is_anomaly_check_nan_enabled()
+        assert on() == (True, False)
+        assert pargrad.is_anomaly_check_nan_enabled()  # the caller's check_nan is back
+    assert not pargrad.is_anomaly_enabled()
+
+
+def test_anomaly_switches_restore_after_errors_and_nest_in_any_order() -> None:
+    @pargrad.set_detect_anomaly(True)
+    def fails() -> None:
+        assert pargrad.is_anomaly_enabled()
+        raise KeyError("inside")
+
+    with pytest.raises(KeyError):
+        fails()
+    assert not pargrad.is_anomaly_enabled()
+    with pytest.raises(KeyError), pargrad.detect_anomaly(check_nan=False):
+        raise KeyError("inside")
+    assert pargrad.anomaly.current_mode() == (False, True)
+
+    outer = pargrad.detect_anomaly(check_nan=False)
+    seen: list[tuple[bool, bool]] = []
+    with outer:
+        seen.append(pargrad.anomaly.current_mode())
+        with pargrad.set_detect_anomaly(False):
+            seen.append(pargrad.anomaly.current_mode())
+            with outer:  # one instance entered again, inside itself
+                seen.append(pargrad.anomaly.current_mode())
+                with pargrad.detect_anomaly():
+                    seen.append(pargrad.anomaly.current_mode())
+                seen.append(pargrad.anomaly.current_mode())
+            seen.append(pargrad.anomaly.current_mode())
+        seen.append(pargrad.anomaly.current_mode())
+    seen.append(pargrad.anomaly.current_mode())
+    assert seen == [(True, False), (False, True), (True, False), (True, True), (True, False),
+                    (False, True), (True, False), (False, True)]
+
+
+def test_detect_anomaly_on_a_generator_applies_to_its_steps() -> None:
+    @pargrad.detect_anomaly(check_nan=False)
+    def steps() -> Any:
+        for _ in range(3):
+            yield pargrad.anomaly.current_mode()
+
+    seen = []
+    for mode in steps():
+        seen.append((mode, pargrad.anomaly.current_mode()))  # the loop keeps its own mode
+    assert seen == [((True, False), (False, True))] * 3
+
+
+def test_one_detect_anomaly_instance_shared_by_threads() -> None:
+    shared = pargrad.detect_anomaly(check_nan=False)
+    barrier = threading.Barrier(4)
+    results: list[tuple[bool, bool]] = []
+
+    def worker() -> None:
+        with shared:
+            barrier.wait(10)
+            results.append(pargrad.anomaly.current_mode())
+        results.append(pargrad.anomaly.current_mode())
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert sorted(results) == [(False, True)] * 4 + [(True, False)] * 4

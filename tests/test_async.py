@@ -21,7 +21,7 @@ import pytest
 import pargrad
 from pargrad import Tensor
 from tests.conftest import ENGINES
-from tests.helpers import blocking_function
+from tests.helpers import Boom, blocking_function
 
 THREADED = [name for name in ENGINES if name.startswith("threaded")]
 WAIT = 30  # seconds: a generous bound on anything these tests wait for
@@ -89,16 +89,6 @@ class Count(pargrad.Function):
     def backward(ctx: Any, g: Tensor) -> Tensor:
         Count.runs += 1
         return g
-
-
-class Boom(pargrad.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> np.ndarray:
-        return x.data * 1.0
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> Tensor:
-        raise ValueError("boom")
 
 
 # ----- values and errors, on every engine -----
@@ -705,3 +695,60 @@ def test_done_callbacks_run_outside_the_backwards_modes(threaded: pargrad.Thread
     block.release.set()
     assert called.wait(WAIT)
     assert seen == [(True, False, False)]
+
+
+class _NoWork:
+    """A future's work that is over at once (the future is resolved by hand)."""
+
+    def cancel(self) -> bool:
+        return True
+
+    def inside(self) -> bool:
+        return False
+
+    def wait(self, timeout: float | None) -> None:
+        pass
+
+
+def _resolve_while_threads_add_callbacks(outcome: str) -> None:
+    future: pargrad.BackwardFuture[int] = pargrad.BackwardFuture(_NoWork())
+    lock = threading.Lock()
+    calls: list[tuple[int, bool]] = []
+    start = threading.Barrier(5)
+
+    def add(k: int) -> None:
+        start.wait(WAIT)
+        for j in range(50):
+            def callback(f: Any, key: int = 100 * k + j) -> None:
+                with lock:
+                    calls.append((key, f.done()))
+            future.add_done_callback(callback)
+
+    threads = [threading.Thread(target=add, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    start.wait(WAIT)
+    if outcome == "result":
+        future.set_result(7)
+    elif outcome == "error":
+        future.set_exception(ValueError("failed"))
+    else:
+        future._set_cancelled()
+        future._set_cancelled()  # a second call changes nothing
+    for t in threads:
+        t.join(WAIT)
+    assert sorted(calls) == sorted((100 * k + j, True) for k in range(4) for j in range(50))
+    on_this_thread: list[str] = []
+    future.add_done_callback(lambda f: on_this_thread.append(threading.current_thread().name))
+    assert on_this_thread == [threading.current_thread().name]
+    assert future.cancelled() == (outcome == "cancelled")
+    assert concurrent.futures.wait([future], timeout=WAIT).done == {future}
+
+
+@pytest.mark.parametrize("outcome", ["result", "error", "cancelled"])
+def test_callbacks_added_while_the_future_resolves_run_once_each(outcome: str) -> None:
+    """Threads add done-callbacks while another resolves the future: every callback runs
+    exactly once, after the future is done (before or after it resolved), and a
+    callback added afterwards runs at once on the thread that adds it."""
+    for _ in range(20):
+        _resolve_while_threads_add_callbacks(outcome)

@@ -15,6 +15,7 @@ import pytest
 import pargrad
 from pargrad import Tensor
 from pargrad.engine.buffer import InputBuffer
+from tests.helpers import Boom
 
 
 def leaf(value: Any, dtype: Any = np.float64) -> Tensor:
@@ -304,16 +305,6 @@ def test_freed_saved_values_are_released(engine: pargrad.Engine) -> None:
 
 
 # ----- errors -----
-
-class Boom(pargrad.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> np.ndarray:
-        return x.data * 1.0
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> Tensor:
-        raise ValueError("boom")
-
 
 def test_failure_names_the_node_and_chains_the_cause(engine: pargrad.Engine) -> None:
     x = leaf([1.0, 2.0])

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import pargrad
+from tests.helpers import Boom
 
 
 @pytest.fixture
@@ -145,12 +146,6 @@ class WrongShape(pargrad.Function):
     @staticmethod
     def backward(ctx: pargrad.FunctionCtx, g: np.ndarray) -> np.ndarray:
         return np.ones(5)
-
-
-class Boom(WrongShape):
-    @staticmethod
-    def backward(ctx: pargrad.FunctionCtx, g: np.ndarray) -> np.ndarray:
-        raise ValueError("boom")
 
 
 # ----- no doubled prefixes -----

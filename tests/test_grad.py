@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import pargrad
+from tests.helpers import Boom
 from tests.strategies import GraphRecipe, graph_recipes
 
 
@@ -136,21 +137,12 @@ def test_create_graph_gives_higher_derivatives(engine: pargrad.Engine) -> None:
 
 
 def test_a_failing_node_raises_and_changes_nothing(engine: pargrad.Engine) -> None:
-    class Fail(pargrad.Function):
-        @staticmethod
-        def forward(ctx: Any, x: pargrad.Tensor) -> np.ndarray:
-            return x.data
-
-        @staticmethod
-        def backward(ctx: Any, g: pargrad.Tensor) -> Any:
-            raise ValueError("boom")
-
     x = pargrad.tensor([1.0], requires_grad=True)
     x.grad = pargrad.tensor([7.0])
-    with pytest.raises(pargrad.BackwardError, match=r"FailBackward.*boom"):
-        pargrad.grad(Fail.apply(x).sum(), [x])
-    with pytest.raises(pargrad.BackwardError, match="FailBackward"):
-        pargrad.backward(Fail.apply(x).sum(), inputs=[x])
+    with pytest.raises(pargrad.BackwardError, match=r"BoomBackward.*boom"):
+        pargrad.grad(Boom.apply(x).sum(), [x])
+    with pytest.raises(pargrad.BackwardError, match="BoomBackward"):
+        pargrad.backward(Boom.apply(x).sum(), inputs=[x])
     assert x.grad.data.tolist() == [7.0]
 
 

@@ -23,6 +23,7 @@ import pytest
 
 import pargrad
 from pargrad import Tensor
+from tests.helpers import sleeping_function
 from tests.interrupting import SigintAt, code_objects
 
 THREADED = "pargrad.engine.threaded"
@@ -221,17 +222,7 @@ def test_sigint_at_every_signal_point_while_waiting_in_result(config: str) -> No
 
 # ----- Ctrl-C in result() cancels the backward, whichever line it lands on -----
 
-class Sleep(pargrad.Function):
-    """Identity whose backward sleeps (a node Ctrl-C must interrupt promptly)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> np.ndarray:
-        return x.data.copy()
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> Tensor:
-        time.sleep(0.05)
-        return g
+Sleep = sleeping_function(0.05)  # a node Ctrl-C must interrupt promptly
 
 
 def interrupt_main_after(delay: float) -> threading.Timer:

@@ -14,6 +14,7 @@ import pytest
 
 import pargrad
 from pargrad import Function, Tensor
+from tests.helpers import Boom
 
 
 def leaf(values: Any) -> Tensor:
@@ -126,17 +127,8 @@ def test_grad_accumulates_in_place_and_a_failure_leaves_it(engine: pargrad.Engin
     assert x.grad is kept
     np.testing.assert_array_equal(kept.data, [5.0, 7.0])  # a reference sees the sum
 
-    class Fail(Function):
-        @staticmethod
-        def forward(ctx: Any, t: Tensor) -> np.ndarray:
-            return t.data.copy()
-
-        @staticmethod
-        def backward(ctx: Any, g: Tensor) -> Tensor:
-            raise ValueError("boom")
-
     with pytest.raises(pargrad.BackwardError):
-        (Fail.apply(x) + x).sum().backward()
+        (Boom.apply(x) + x).sum().backward()
     assert x.grad is kept
     np.testing.assert_array_equal(kept.data, [5.0, 7.0])  # all or nothing
 

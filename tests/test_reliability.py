@@ -13,7 +13,7 @@ import pytest
 
 import pargrad
 from pargrad import Tensor
-from tests.helpers import blocking_function
+from tests.helpers import Boom, blocking_function
 from tests.interrupting import SigintAt, code_objects
 
 WAIT = 30  # seconds: a generous bound on anything these tests wait for
@@ -21,18 +21,6 @@ WAIT = 30  # seconds: a generous bound on anything these tests wait for
 
 def leaf(value: Any) -> Tensor:
     return pargrad.tensor(value, requires_grad=True)
-
-
-class Fails(pargrad.Function):
-    """Identity whose backward raises at once."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> np.ndarray:
-        return x.data.copy()
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> Tensor:
-        raise ValueError("boom")
 
 
 Block = blocking_function(WAIT)
@@ -67,7 +55,7 @@ def test_cancel_after_a_node_failed_returns_false_only_once_resolved() -> None:
         task = cast(Any, future._work).task
         assert Block.started.wait(WAIT)
         deadline = time.monotonic() + WAIT
-        while task.error is None:  # the other worker ran Fails
+        while task.error is None:  # the other worker ran Boom
             assert time.monotonic() < deadline
             time.sleep(0.001)
         threading.Timer(0.2, Block.release.set).start()
@@ -92,7 +80,7 @@ def test_cancel_racing_a_failure_under_tiny_switch_interval() -> None:
         with pargrad.ThreadedEngine(workers=2, handoff_threshold=1) as engine:
             for _ in range(100):
                 p = leaf([1.0, 2.0])
-                future = pargrad.backward_async((Fails.apply(p) * p).sum(), engine=engine)
+                future = pargrad.backward_async((Boom.apply(p) * p).sum(), engine=engine)
                 cancelled = future.cancel()
                 assert future.done() and future.cancelled() == cancelled
                 assert p.grad is None

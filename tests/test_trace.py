@@ -13,6 +13,7 @@ import pytest
 
 import pargrad
 from pargrad.engine.trace import Trace
+from tests.helpers import Boom
 
 
 @pytest.fixture
@@ -139,18 +140,9 @@ def test_statistics_add_up(engine: pargrad.ThreadedEngine) -> None:
 
 
 def test_statistics_count_errors(engine: pargrad.ThreadedEngine) -> None:
-    class Fails(pargrad.Function):
-        @staticmethod
-        def forward(ctx: pargrad.FunctionCtx, a: pargrad.Tensor) -> np.ndarray:
-            return a.data
-
-        @staticmethod
-        def backward(ctx: pargrad.FunctionCtx, g: np.ndarray) -> np.ndarray:
-            raise ValueError("boom")
-
     x = pargrad.tensor(np.ones(3), requires_grad=True)
     with pytest.raises(pargrad.BackwardError):
-        Fails.apply(x).sum().backward(engine=engine)
+        Boom.apply(x).sum().backward(engine=engine)
     (x * 2).sum().backward(engine=engine)
     stats = engine.statistics()
     assert stats.graph_tasks_completed == 2 and stats.errors == 1
