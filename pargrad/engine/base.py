@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from pargrad.futures import BackwardFuture
 from pargrad.graph import Edge, Grad
+from pargrad.parallel import Offer
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +91,13 @@ class Engine(ABC):
         else:
             future.set_result(kept)
         return future
+
+    def intra_op_helpers(self) -> Offer | None:
+        """Where a large elementwise call made on this thread while this engine is
+        current (a node's rule, or a forward op) may offer its chunks to idle threads
+        (pargrad/parallel.py); None: it runs them all on the calling thread. This default
+        (the reference engine's) is None."""
+        return None
 
 
 # Per-thread stack of engines chosen with use_engine; each thread touches only its own.

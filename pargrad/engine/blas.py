@@ -101,6 +101,12 @@ def gate_size() -> int:
     return max(1, available_cores() // max(1, threads))
 
 
+def busy() -> bool:
+    """Whether a BLAS node runs now, anywhere in the process (read without the lock: a
+    hint, for intra-op chunks, which stay off the cores while BLAS's threads use them)."""
+    return _in_gate > 0
+
+
 def enter_gate() -> None:
     """Wait (blocking) until another BLAS node may run, and count this one in. Pair with
     ``leave_gate``."""

@@ -44,6 +44,7 @@ from pargrad.engine.trace import Counters, Log, ThreadCounts, Trace, now, record
 from pargrad.grad_mode import _set_enabled, is_grad_enabled
 from pargrad.graph import BackwardError, Grad, Node
 from pargrad.interrupts import HELD, NODE, POLL, Gate, current_gate
+from pargrad.parallel import Job
 
 if TYPE_CHECKING:
     from pargrad.engine.pool import Pool
@@ -209,6 +210,11 @@ def thread_main(queue: ReadyQueue[NodeTask], at: Device, owner: GraphTask | None
             if owner is None:
                 return  # closed: queues close only when no task is in flight
             continue
+        if type(item) is Job:  # chunks of a large elementwise call (pargrad/parallel.py)
+            item.help()
+            del item
+            continue
+        assert isinstance(item, NodeTask)
         node = item.node
         assert item.grads is not None
         local: Local = [(-node.sequence_nr, node, item.grads)]
@@ -445,10 +451,11 @@ class _Stop:
 
 
 def _get(queue: ReadyQueue[NodeTask], stop: Flag | None, gate: Gate,
-         timeout: float | None = None) -> NodeTask | None:
+         timeout: float | None = None) -> NodeTask | Job | None:
     """``queue.get``; on a thread with an installed Gate, a Ctrl-C is deferred while it
     waits (polling every ``POLL`` s) and raised here once the item taken, if any, is back
-    on its queue: no node is lost between the queue and the thread."""
+    on its queue: no node is lost between the queue and the thread (an offered Job is
+    dropped: its holder runs the chunks nobody took)."""
     if gate.previous is None:
         return queue.get(stop=stop, timeout=timeout)
     assert stop is not None  # a thread with a Gate waits for a task: never a worker
@@ -462,7 +469,7 @@ def _get(queue: ReadyQueue[NodeTask], stop: Flag | None, gate: Gate,
         item = queue.get(stop=stop, timeout=left)
     gate.mode = mode
     if gate.pending is not None:
-        if item is not None:
+        if isinstance(item, NodeTask):
             assert item.grads is not None
             queue.put(item, item.task.depth, item.node.sequence_nr)
         gate.raise_pending()

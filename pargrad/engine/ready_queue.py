@@ -9,6 +9,9 @@ Guarantees:
 - ``get`` blocks until it has an item, or the queue is closed and empty, or the
   caller's ``stop`` event is set, or its ``timeout`` passed; ``wake_all`` makes blocked
   callers look again.
+- ``offer`` hands an intra-op ``Job`` (pargrad/parallel.py) to threads blocked in
+  ``get`` only, never to a later one while work is queued: an idle thread takes it
+  before any item, and a busy one never sees it.
 
 Assumptions: none on the GIL: every field is guarded by ``_lock``.
 """
@@ -19,7 +22,10 @@ import heapq
 import itertools
 import threading
 import time
+from collections import deque
 from typing import Generic, Protocol, TypeVar
+
+from pargrad.parallel import Job
 
 T = TypeVar("T")
 
@@ -35,7 +41,7 @@ class ReadyQueue(Generic[T]):
     """A thread-safe priority queue of ready work for one device."""
 
     def __init__(self) -> None:
-        # Guards _heap, _order, _closed, _waiting and _waits.
+        # Guards _heap, _offers, _order, _closed, _waiting and _waits.
         self._lock = threading.Lock()
         # Notified when an item is put, when the queue is closed, and by wake_all (a
         # waiter's stop event was set). Waiters re-check their predicate on waking.
@@ -44,6 +50,7 @@ class ReadyQueue(Generic[T]):
         self._order = itertools.count()  # ties broken first in, first out
         self._closed = False
         self._waiting = 0  # threads blocked in get
+        self._offers: deque[Job] = deque()  # jobs offered to the threads blocked in get
         self._waits = 0  # times a get blocked (for statistics)
 
     def put(self, item: T, depth: int, sequence_nr: int) -> None:
@@ -54,8 +61,9 @@ class ReadyQueue(Generic[T]):
                 self.not_empty.notify()
 
     def get(self, stop: Flag | None = None,
-            timeout: float | None = None) -> T | None:
-        """Remove and return the best item; block while there is none.
+            timeout: float | None = None) -> T | Job | None:
+        """Remove and return an offered job, else the best item; block while there is
+        neither.
 
         Returns None when ``stop`` is set (checked first, so a caller whose work is
         done takes no more), when the queue is closed and empty, or after ``timeout``
@@ -66,6 +74,8 @@ class ReadyQueue(Generic[T]):
             while True:
                 if stop is not None and stop.is_set():
                     return None
+                if self._offers:
+                    return self._offers.popleft()
                 if self._heap:
                     return heapq.heappop(self._heap)[-1]
                 if self._closed:
@@ -78,11 +88,27 @@ class ReadyQueue(Generic[T]):
                 try:
                     self.not_empty.wait(left)
                 except BaseException:
-                    if self._heap:  # a notify meant for this waiter must not be lost
+                    # a notify meant for this waiter must not be lost
+                    if self._heap or self._offers:
                         self.not_empty.notify()
                     raise
                 finally:
                     self._waiting -= 1
+
+    def offer(self, job: Job, count: int) -> int:
+        """Give ``job`` to at most ``count`` of the threads blocked in ``get`` now (none
+        if work is queued: they are about to take it); return how many were woken for
+        it. A thread that wakes and finds its ``stop`` set leaves the job queued, for the
+        next ``get``: harmless, since a job whose chunks are all done runs nothing."""
+        with self._lock:
+            if self._heap:
+                return 0
+            n = min(count, self._waiting - len(self._offers))
+            if n <= 0:
+                return 0
+            self._offers.extend([job] * n)
+            self.not_empty.notify(n)
+            return n
 
     @property
     def waits(self) -> int:

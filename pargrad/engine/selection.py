@@ -2,7 +2,9 @@
 
 The default is made on first use from ``PARGRAD_ENGINE``, so this module imports both
 engines; it sits above them (``engine/base.py`` holds only the interface they implement
-and the thread's ``use_engine`` stack, which the engines push themselves on).
+and the thread's ``use_engine`` stack, which the engines push themselves on). It also
+tells a large elementwise call which idle threads may help with its chunks: the current
+engine's (``Engine.intra_op_helpers``, pargrad/parallel.py).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import threading
 from pargrad.engine.base import Engine, _engine_stack
 from pargrad.engine.sequential import SequentialEngine
 from pargrad.engine.threaded import ThreadedEngine
+from pargrad.parallel import Offer, set_helpers_finder
 
 # Guards _default_engine, so that creating the default lazily cannot overwrite a
 # concurrent set_default_engine.
@@ -79,3 +82,12 @@ def current_engine() -> Engine:
     """
     stack = _engine_stack()
     return stack[-1] if stack else get_default_engine()
+
+
+def _intra_op_helpers() -> Offer | None:
+    """The idle threads a large elementwise call may offer chunks to: the current
+    engine's (pargrad/parallel.py)."""
+    return current_engine().intra_op_helpers()
+
+
+set_helpers_finder(_intra_op_helpers)

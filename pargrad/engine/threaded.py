@@ -99,6 +99,7 @@ from pargrad.graph import (
     counting,
 )
 from pargrad.interrupts import HELD, NODE, current_gate, deferred_interrupts, gate_installed
+from pargrad.parallel import Offer
 
 __all__ = ["DEFAULT_HANDOFF_THRESHOLD", "MAX_REENTRANT_DEPTH", "ThreadedEngine",
            "default_workers"]
@@ -254,6 +255,11 @@ class ThreadedEngine(Engine):
             default: it pays off for graphs with parallel matmul branches, but a BLAS that
             just ran on all cores keeps its threads spinning for a while, and an MLP's
             backward ran 1.7x slower with it (docs/performance.md).
+        intra_op: let a large elementwise call (an op's forward or rule on arrays of
+            ``parallel.thresholds()[0]`` elements or more, made while this engine is
+            current) offer its chunks to this engine's idle workers of the calling
+            thread's device (pargrad/parallel.py): a chain of large elementwise nodes
+            then uses every core. Results are bitwise the same either way.
         trace: record every node it runs in ``engine.trace``, a ``Trace`` (thread, device,
             start and end, inline or handed off) that exports Chrome trace JSON
             (``engine.trace.save_chrome_trace(path)``); ``pargrad.profile()`` records
@@ -279,6 +285,7 @@ class ThreadedEngine(Engine):
         deterministic: bool = False,
         handoff_threshold: int = DEFAULT_HANDOFF_THRESHOLD,
         limit_blas: bool = False,
+        intra_op: bool = True,
         trace: bool = False,
     ) -> None:
         self._pool: Pool[NodeTask] = Pool(workers, worker_main)
@@ -288,6 +295,7 @@ class ThreadedEngine(Engine):
         self.handoff_threshold = check_count(handoff_threshold, "handoff_threshold",
                                               minimum=0)  # 0: hand off every node
         self.limit_blas = bool(limit_blas)
+        self.intra_op = bool(intra_op)
         weakref.finalize(self, self._pool.shutdown, False)
         with _engines_lock:
             _engines.add(self)
@@ -299,6 +307,14 @@ class ThreadedEngine(Engine):
     def workers(self, device: str | Device = "cpu") -> int:
         """How many worker threads ``device`` gets."""
         return self._pool.workers(as_device(device))
+
+    def intra_op_helpers(self) -> Offer | None:
+        """The ReadyQueue of this thread's device, whose idle threads take offered
+        chunks; None with ``intra_op=False``, on one core, or while a BLAS node runs
+        (BLAS's own threads use the cores then)."""
+        if not self.intra_op or available_cores() < 2 or blas.busy():
+            return None
+        return self._pool.queue(home_device(self._pool)).offer
 
     def threads(self) -> list[threading.Thread]:
         """The worker threads started so far (workers start when their device first

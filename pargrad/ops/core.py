@@ -26,6 +26,7 @@ from pargrad import anomaly
 from pargrad.devices import CPU, Device, common_device
 from pargrad.grad_mode import is_grad_enabled
 from pargrad.graph import NO_EDGE, BackwardError, Edge, Grad, Meta, Node, next_sequence_nr
+from pargrad.parallel import elementwise, large
 from pargrad.tensor import Tensor, check_saved_data, saved_versions
 from pargrad.versions import Saved, VersionCounter, check, counter_of
 from pargrad.views import refresh, view_of
@@ -63,6 +64,11 @@ class Op:
     ``calls_blas=True`` (matmul) says that the rules run BLAS, which uses threads of its
     own; its nodes tell the engine so (``Node.calls_blas``).
 
+    ``elementwise=True`` says that the forward and every rule compute each element of
+    their result from the same element of each array argument (and from scalars): on
+    large arrays of one shape they then run in chunks that idle engine threads help with
+    (pargrad/parallel.py), with bitwise the same result.
+
     ``view=True`` (reshape, basic indexing, transpose...) says that the forward may
     return a view of its first argument's memory: an output that is one shares that
     tensor's version counter and becomes a view of it (pargrad/views.py).
@@ -83,6 +89,7 @@ class Op:
         moves_device: bool = False,
         calls_blas: bool = False,
         view: bool = False,
+        elementwise: bool = False,
         doc: str | None = None,
     ) -> None:
         self.__doc__ = doc or f"The differentiable numpy ``{name}``."
@@ -99,6 +106,9 @@ class Op:
         # Calls of a single-output op that neither views nor moves take ``__call__``'s
         # lean path; the others (and unusual operands) take ``outputs``.
         self.lean = not (multi_output or view or moves_device or argnum_rule is not None)
+        # The forward and every rule compute each element from the same element of the
+        # arguments: on large arrays of one shape they run in chunks (pargrad/parallel.py).
+        self.elementwise = elementwise and self.lean
         # Arguments from this index on have no rule (none for variadic ops).
         self.ruled = len(self.rules) if argnum_rule is None else 1 << 30
         # Per rule: whether it reads the output, and which arguments' values it reads.
@@ -160,7 +170,11 @@ class Op:
             else:
                 arrays.append(a)
         try:
-            out = self.forward(*arrays, **params)
+            out = None
+            if self.elementwise and large(arrays):  # in chunks, helped by idle threads
+                out = elementwise(self.forward, arrays, params)
+            if out is None:
+                out = self.forward(*arrays, **params)
         except (ValueError, IndexError, TypeError) as exc:
             raise _forward_error(self.name, exc, arrays, params) from exc
         if type(out) is not np.ndarray:
@@ -441,6 +455,7 @@ class OpNode(Node):
         op, params, outs = self.op, self.params, self.saved_outputs
         ans = None if outs is None else outs[0]
         rules = op.rules if op.argnum_rule is None else None
+        chunked = op.elementwise and large(grads)  # in chunks, helped by idle threads
         results: list[Grad | None] = []
         fits = True
         try:
@@ -449,8 +464,13 @@ class OpNode(Node):
                 if next_node is None:
                     results.append(None)
                     continue
-                r = (op.vjp(i, g, ans, args, params) if rules is None
-                     else rules[i](g, ans, *args, **params))
+                r = None
+                if chunked:
+                    assert rules is not None
+                    r = elementwise(rules[i], (g, ans, *args), params)
+                if r is None:
+                    r = (op.vjp(i, g, ans, args, params) if rules is None
+                         else rules[i](g, ans, *args, **params))
                 fits = fits and (type(r) is np.ndarray and r.shape == meta[0]  # type: ignore[index]
                                  and r.dtype == meta[1])  # type: ignore[index]
                 results.append(r)
@@ -501,7 +521,7 @@ def defop(name: str, forward: Callable[..., Any], *rules: Rule, **options: Any) 
 
     An op whose forward is a numpy ufunc also serves that ufunc called on Tensors.
     Options: ``argnum_rule``, ``multi_output``, ``needs_values``, ``calls_blas``, ``view``,
-    ``doc`` (see ``Op``).
+    ``elementwise``, ``doc`` (see ``Op``).
     """
     op = Op(name, forward, rules, **options)
     if isinstance(forward, np.ufunc):

@@ -17,18 +17,19 @@ from pargrad.tensor import Tensor
 # ----- arithmetic -----
 add = defop("add", np.add,
             lambda g, ans, x, y: g,
-            lambda g, ans, x, y: g, needs_values=False)
+            lambda g, ans, x, y: g, needs_values=False, elementwise=True)
 subtract = defop("subtract", np.subtract,
                  lambda g, ans, x, y: g,
-                 lambda g, ans, x, y: -g, needs_values=False)
+                 lambda g, ans, x, y: -g, needs_values=False, elementwise=True)
 multiply = defop("multiply", np.multiply,
                  lambda g, ans, x, y: g * y,
-                 lambda g, ans, x, y: g * x)
+                 lambda g, ans, x, y: g * x, elementwise=True)
 divide = defop("divide", np.divide,
                lambda g, ans, x, y: g / y,
-               lambda g, ans, x, y: -g * x / (y * y))  # reads no ans: x /= y stays legal
+               lambda g, ans, x, y: -g * x / (y * y),  # reads no ans: x /= y stays legal
+               elementwise=True)
 negative = defop("negative", np.negative,
-                 lambda g, ans, x: -g, needs_values=False)
+                 lambda g, ans, x: -g, needs_values=False, elementwise=True)
 
 
 def _power_base_rule(g: Any, ans: Any, x: Any, y: Any) -> Any:
@@ -41,50 +42,50 @@ def _power_base_rule(g: Any, ans: Any, x: Any, y: Any) -> Any:
 # d(x**y)/dy takes log(x) as 0 at x == 0, so 0**y (y > 0) has gradient 0 in y.
 power = defop("power", np.power,
               _power_base_rule,
-              lambda g, ans, x, y: g * ans * np.log(np.where(x == 0, 1, x)))
+              lambda g, ans, x, y: g * ans * np.log(np.where(x == 0, 1, x)), elementwise=True)
 
 # ----- exponentials and powers -----
-exp = defop("exp", np.exp, lambda g, ans, x: g * ans)
-log = defop("log", np.log, lambda g, ans, x: g / x)
-sqrt = defop("sqrt", np.sqrt, lambda g, ans, x: g / (2 * ans))
-square = defop("square", np.square, lambda g, ans, x: g * 2 * x)
-log1p = defop("log1p", np.log1p, lambda g, ans, x: g / (1 + x))
-expm1 = defop("expm1", np.expm1, lambda g, ans, x: g * (ans + 1))
+exp = defop("exp", np.exp, lambda g, ans, x: g * ans, elementwise=True)
+log = defop("log", np.log, lambda g, ans, x: g / x, elementwise=True)
+sqrt = defop("sqrt", np.sqrt, lambda g, ans, x: g / (2 * ans), elementwise=True)
+square = defop("square", np.square, lambda g, ans, x: g * 2 * x, elementwise=True)
+log1p = defop("log1p", np.log1p, lambda g, ans, x: g / (1 + x), elementwise=True)
+expm1 = defop("expm1", np.expm1, lambda g, ans, x: g * (ans + 1), elementwise=True)
 
 # ----- piecewise -----
 # abs'(0) is taken as 0, relu'(0) as 0. maximum/minimum split g evenly on ties.
-abs = defop("absolute", np.absolute, lambda g, ans, x: g * np.sign(x))
+abs = defop("absolute", np.absolute, lambda g, ans, x: g * np.sign(x), elementwise=True)
 relu = defop("relu", lambda x: np.maximum(x, 0), lambda g, ans, x: g * (x > 0),
-             doc="max(x, 0), elementwise; its gradient at 0 is taken as 0.")
+             doc="max(x, 0), elementwise; its gradient at 0 is taken as 0.", elementwise=True)
 maximum = defop("maximum", np.maximum,
                 lambda g, ans, x, y: np.where(x == y, g / 2, g * (x > y)),
-                lambda g, ans, x, y: np.where(x == y, g / 2, g * (y > x)))
+                lambda g, ans, x, y: np.where(x == y, g / 2, g * (y > x)), elementwise=True)
 minimum = defop("minimum", np.minimum,
                 lambda g, ans, x, y: np.where(x == y, g / 2, g * (x < y)),
-                lambda g, ans, x, y: np.where(x == y, g / 2, g * (y < x)))
+                lambda g, ans, x, y: np.where(x == y, g / 2, g * (y < x)), elementwise=True)
 # clip is min(max(x, lo), hi): the gradient goes to x where lo <= x <= hi, else to the
 # bound that was used (hi wherever lo > hi, as numpy then returns hi).
 _clip = defop("clip", np.clip,
               lambda g, ans, x, lo, hi: g * np.logical_and(x >= lo, x <= hi),
               lambda g, ans, x, lo, hi: g * np.logical_and(x < lo, lo <= hi),
-              lambda g, ans, x, lo, hi: g * np.logical_or(x > hi, lo > hi))
+              lambda g, ans, x, lo, hi: g * np.logical_or(x > hi, lo > hi), elementwise=True)
 _where = defop("where", np.where,
                nondifferentiable,
                lambda g, ans, c, x, y: np.where(c, g, 0),
-               lambda g, ans, c, x, y: np.where(c, 0, g))
+               lambda g, ans, c, x, y: np.where(c, 0, g), elementwise=True)
 
 # ----- trigonometric and hyperbolic -----
-sin = defop("sin", np.sin, lambda g, ans, x: g * np.cos(x))
-cos = defop("cos", np.cos, lambda g, ans, x: -g * np.sin(x))
-tanh = defop("tanh", np.tanh, lambda g, ans, x: g * (1 - ans * ans))
+sin = defop("sin", np.sin, lambda g, ans, x: g * np.cos(x), elementwise=True)
+cos = defop("cos", np.cos, lambda g, ans, x: -g * np.sin(x), elementwise=True)
+tanh = defop("tanh", np.tanh, lambda g, ans, x: g * (1 - ans * ans), elementwise=True)
 # 0.5 * (1 + tanh(x / 2)) is sigmoid without overflow for large |x|.
 sigmoid = defop("sigmoid", lambda x: 0.5 * (1 + np.tanh(0.5 * x)),
                 lambda g, ans, x: g * ans * (1 - ans),
-                doc="1 / (1 + exp(-x)), elementwise, without overflow.")
+                doc="1 / (1 + exp(-x)), elementwise, without overflow.", elementwise=True)
 # softplus' = sigmoid, written as sigmoid's forward so that it dispatches on Tensors.
 softplus = defop("softplus", lambda x: np.logaddexp(0, x),
                  lambda g, ans, x: g * 0.5 * (1 + np.tanh(0.5 * x)),
-                 doc="log(1 + exp(x)), elementwise, without overflow.")
+                 doc="log(1 + exp(x)), elementwise, without overflow.", elementwise=True)
 
 # ----- copies and dtype -----
 copy = defop("copy", lambda x: np.array(x, copy=True), lambda g, ans, x: g,

@@ -1,0 +1,203 @@
+"""Intra-op parallelism: one large elementwise numpy call cut into chunks, which the
+thread that makes the call runs, helped by engine threads that are idle.
+
+``elementwise(fn, args, params)`` computes ``fn(*args, **params)`` for an elementwise
+``fn`` (a forward or a gradient rule of an op made with ``elementwise=True``) whose array
+arguments all have one shape: it runs ``fn`` on one chunk of every argument at a time
+and writes each result into its slice of one output array. The chunks are a ``Job``;
+the calling thread (the holder) offers it to the threads that wait idle for work on its
+device's ReadyQueue, then runs chunks itself until none is left, and returns once every
+chunk has been written. numpy releases the GIL inside each chunk's loops, so the
+helpers' chunks run on other cores.
+
+Guarantees:
+- The result is bitwise the unchunked call's: every element is computed by the same
+  numpy loop from the same inputs (chunk boundaries are multiples of ``chunk_elements``,
+  so the loops see the same alignment). ``fn``'s arguments are never written.
+- A busy thread is never taken from other work: the job goes only to threads blocked
+  waiting for work (``ReadyQueue.offer``), and the holder runs every chunk no helper
+  took. Without helpers (no engine pool, one core, every thread busy) the holder runs
+  all chunks itself.
+- A chunk's exception is raised by the holder once no chunk runs any more; the chunks
+  not yet started are then skipped. So is every chunk after the holder was interrupted.
+- Which threads help is decided by the engine that is current (``set_helpers_finder``,
+  registered by ``engine/selection.py``): a ``ThreadedEngine`` made with
+  ``intra_op=True`` (the default) offers chunks to its workers; the reference engine
+  never does.
+
+Assumptions: no GIL; ``Job._lock`` guards a job's claims (its comment says what).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+Offer = Callable[["Job", int], int]
+"""Hands a job to up to ``count`` idle threads; returns how many took it."""
+
+_min_elements = 1 << 17
+_chunk_elements = 1 << 16
+_helpers_finder: Callable[[], Offer | None] = lambda: None
+
+
+def thresholds() -> tuple[int, int]:
+    """``(min_elements, chunk_elements)``: calls with fewer output elements than the
+    first are not cut; chunks have the second's elements (the last one fewer)."""
+    return _min_elements, _chunk_elements
+
+
+def set_thresholds(min_elements: int, chunk_elements: int) -> tuple[int, int]:
+    """Set ``thresholds()`` (for tests and tuning); return the previous ones. Not meant
+    to change while other threads compute."""
+    global _min_elements, _chunk_elements
+    if chunk_elements < 1 or min_elements < 1:
+        raise ValueError("parallel.set_thresholds: both must be positive, got "
+                         f"{min_elements!r}, {chunk_elements!r}")
+    previous = _min_elements, _chunk_elements
+    _min_elements, _chunk_elements = min_elements, chunk_elements
+    return previous
+
+
+def set_helpers_finder(finder: Callable[[], Offer | None]) -> None:
+    """Register how a call finds the idle threads it may offer chunks to (the current
+    engine's), or None to run them all on the calling thread. Called once, at import."""
+    global _helpers_finder
+    _helpers_finder = finder
+
+
+def large(arrays: Sequence[Any]) -> bool:
+    """Whether one of ``arrays`` has at least ``min_elements`` elements (cheap: the
+    forward asks it of every elementwise op)."""
+    for a in arrays:  # noqa: SIM110 (a loop: any() would make a generator per op)
+        if type(a) is np.ndarray and a.size >= _min_elements:
+            return True
+    return False
+
+
+def elementwise(fn: Callable[..., Any], args: Sequence[Any],
+                params: dict[str, Any]) -> np.ndarray | None:
+    """``fn(*args, **params)`` computed in chunks (module doc), or None where it cannot
+    be: fewer elements than ``min_elements``, array arguments of different shapes (a
+    broadcast) or not C-contiguous, or ``fn`` returning something other than a fresh
+    array of its chunk's shape (a view of an argument, which the caller computes
+    unchunked at no cost). The caller then calls ``fn`` itself."""
+    shape: tuple[int, ...] | None = None
+    for a in args:
+        if type(a) is np.ndarray and a.ndim:
+            if shape is None:
+                shape = a.shape
+            elif a.shape != shape:
+                return None
+            if not a.flags.c_contiguous or a.dtype.hasobject:
+                return None
+    if shape is None:
+        return None
+    size = int(np.prod(shape))
+    chunk = _chunk_elements
+    if size < _min_elements or size <= chunk:
+        return None
+    flat = [a.reshape(-1) if type(a) is np.ndarray and a.ndim else None for a in args]
+
+    def part(i: int) -> Any:
+        piece = slice(i * chunk, (i + 1) * chunk)
+        return fn(*[a if f is None else f[piece] for a, f in zip(args, flat)], **params)
+
+    first = part(0)
+    if type(first) is not np.ndarray or first.shape != (chunk,) or first.base is not None:
+        return None
+    out = np.empty(size, first.dtype)
+    out[:chunk] = first
+    del first
+
+    def run(i: int) -> None:
+        out[i * chunk:(i + 1) * chunk] = part(i)
+
+    count = -(-size // chunk)
+    job = Job(run, count, first=1)
+    offer = _helpers_finder()
+    if offer is not None:
+        offer(job, count - 2)  # the holder runs one chunk at least: offer the others
+    job.run_here()
+    return out.reshape(shape)
+
+
+class Job:
+    """The chunks ``first .. count - 1`` of one call, claimed one at a time: by the
+    holder (``run_here``) and by idle threads that took the job from a ReadyQueue
+    (``help``)."""
+
+    __slots__ = ("_count", "_idle", "_lock", "_next", "_run", "_running", "error")
+
+    def __init__(self, run: Callable[[int], None], count: int, first: int = 0) -> None:
+        # Guards _next, _running, error and _run (the closure over the arrays).
+        self._lock = threading.Lock()
+        # Notified when _running drops to zero: the holder waits for the helpers' chunks.
+        self._idle = threading.Condition(self._lock)
+        self._run: Callable[[int], None] | None = run
+        self._count = count
+        self._next = first  # the next chunk to claim
+        self._running = 0  # chunks claimed and not finished
+        self.error: BaseException | None = None  # the first chunk's exception
+
+    def _claim(self) -> tuple[int, Callable[[int], None]] | None:
+        with self._lock:
+            run = self._run
+            if run is None or self._next >= self._count or self.error is not None:
+                return None
+            i = self._next
+            self._next += 1
+            self._running += 1
+            return i, run
+
+    def _finished(self, exc: BaseException | None) -> None:
+        with self._lock:
+            self._running -= 1
+            if exc is not None and self.error is None:
+                self.error = exc
+            if self._running == 0:
+                self._idle.notify_all()
+
+    def help(self) -> None:
+        """Run chunks until none is left (an idle thread that took the job). Never
+        raises: a chunk's exception goes to the holder."""
+        while (claimed := self._claim()) is not None:
+            i, run = claimed
+            del claimed
+            exc = None
+            try:
+                run(i)
+            except BaseException as e:  # to the holder, which raises it
+                exc = e
+            del run
+            self._finished(exc)
+
+    def run_here(self) -> None:
+        """The holder's part: run chunks until none is left, wait for the helpers'
+        chunks, and raise the first chunk's exception. An interrupt of the holder skips
+        the chunks not yet claimed."""
+        try:
+            while (claimed := self._claim()) is not None:
+                i, run = claimed
+                del claimed
+                exc = None
+                try:
+                    run(i)
+                except Exception as e:
+                    exc = e
+                del run
+                self._finished(exc)
+            with self._lock:
+                while self._running:
+                    self._idle.wait()
+                self._run = None  # an offer still queued must not keep the arrays alive
+        except BaseException:
+            with self._lock:
+                self._next = self._count
+                self._run = None
+            raise
+        if self.error is not None:
+            raise self.error
