@@ -12,7 +12,12 @@ import numpy as np
 
 from pargrad.devices import Device, device
 from pargrad.ops.core import defop, implements, nondifferentiable
+from pargrad.ops.large import large
 from pargrad.tensor import Tensor
+
+# Rules with several operators also have a one-buffer form for large arrays
+# (pargrad/ops/large.py): the same arithmetic in the same order, so the same bits, except
+# where a rule's comment says otherwise.
 
 # ----- arithmetic -----
 add = defop("add", np.add,
@@ -24,9 +29,20 @@ subtract = defop("subtract", np.subtract,
 multiply = defop("multiply", np.multiply,
                  lambda g, ans, x, y: g * y,
                  lambda g, ans, x, y: g * x)
+
+
+def _divide_divisor_rule(g: Any, ans: Any, x: Any, y: Any) -> Any:
+    # Reads no ans: x /= y stays legal. Two buffers in the large form (y * y has y's shape).
+    if large(g, x):
+        out = np.negative(g)
+        np.multiply(out, x, out=out)
+        return np.divide(out, y * y, out=out)
+    return -g * x / (y * y)
+
+
 divide = defop("divide", np.divide,
                lambda g, ans, x, y: g / y,
-               lambda g, ans, x, y: -g * x / (y * y))  # reads no ans: x /= y stays legal
+               _divide_divisor_rule)
 negative = defop("negative", np.negative,
                  lambda g, ans, x: -g, needs_values=False)
 
@@ -44,17 +60,60 @@ power = defop("power", np.power,
               lambda g, ans, x, y: g * ans * np.log(np.where(x == 0, 1, x)))
 
 # ----- exponentials and powers -----
+def _sqrt_rule(g: Any, ans: Any, x: Any) -> Any:
+    if large(g, ans):
+        out = np.multiply(2, ans)
+        return np.divide(g, out, out=out)
+    return g / (2 * ans)
+
+
+def _square_rule(g: Any, ans: Any, x: Any) -> Any:
+    if large(g, x):
+        out = np.multiply(g, 2)
+        return np.multiply(out, x, out=out)
+    return g * 2 * x
+
+
+def _log1p_rule(g: Any, ans: Any, x: Any) -> Any:
+    if large(g, x):
+        out = np.add(1, x)
+        return np.divide(g, out, out=out)
+    return g / (1 + x)
+
+
+def _expm1_rule(g: Any, ans: Any, x: Any) -> Any:
+    if large(g, ans):
+        out = np.add(ans, 1)
+        return np.multiply(g, out, out=out)
+    return g * (ans + 1)
+
+
 exp = defop("exp", np.exp, lambda g, ans, x: g * ans)
 log = defop("log", np.log, lambda g, ans, x: g / x)
-sqrt = defop("sqrt", np.sqrt, lambda g, ans, x: g / (2 * ans))
-square = defop("square", np.square, lambda g, ans, x: g * 2 * x)
-log1p = defop("log1p", np.log1p, lambda g, ans, x: g / (1 + x))
-expm1 = defop("expm1", np.expm1, lambda g, ans, x: g * (ans + 1))
+sqrt = defop("sqrt", np.sqrt, _sqrt_rule)
+square = defop("square", np.square, _square_rule)
+log1p = defop("log1p", np.log1p, _log1p_rule)
+expm1 = defop("expm1", np.expm1, _expm1_rule)
 
 # ----- piecewise -----
 # abs'(0) is taken as 0, relu'(0) as 0. maximum/minimum split g evenly on ties.
-abs = defop("absolute", np.absolute, lambda g, ans, x: g * np.sign(x))
-relu = defop("relu", lambda x: np.maximum(x, 0), lambda g, ans, x: g * (x > 0),
+def _abs_rule(g: Any, ans: Any, x: Any) -> Any:
+    if large(g, x):
+        out = np.sign(x)
+        return np.multiply(g, out, out=out)
+    return g * np.sign(x)
+
+
+def _relu_rule(g: Any, ans: Any, x: Any) -> Any:
+    if large(g, x) and x.shape == g.shape:
+        out = np.empty(g.shape, np.result_type(g, np.bool_))
+        np.greater(x, 0, out=out)  # 1.0 or 0.0: g times it is g * (x > 0), bit for bit
+        return np.multiply(g, out, out=out)
+    return g * (x > 0)
+
+
+abs = defop("absolute", np.absolute, _abs_rule)
+relu = defop("relu", lambda x: np.maximum(x, 0), _relu_rule,
              doc="max(x, 0), elementwise; its gradient at 0 is taken as 0.")
 maximum = defop("maximum", np.maximum,
                 lambda g, ans, x, y: np.where(x == y, g / 2, g * (x > y)),
@@ -74,16 +133,57 @@ _where = defop("where", np.where,
                lambda g, ans, c, x, y: np.where(c, 0, g))
 
 # ----- trigonometric and hyperbolic -----
-sin = defop("sin", np.sin, lambda g, ans, x: g * np.cos(x))
-cos = defop("cos", np.cos, lambda g, ans, x: -g * np.sin(x))
-tanh = defop("tanh", np.tanh, lambda g, ans, x: g * (1 - ans * ans))
+def _sin_rule(g: Any, ans: Any, x: Any) -> Any:
+    if large(g, x):
+        out = np.cos(x)
+        return np.multiply(g, out, out=out)
+    return g * np.cos(x)
+
+
+def _cos_rule(g: Any, ans: Any, x: Any) -> Any:
+    if large(g, x):  # -(g * s) is (-g) * s: negation is exact
+        out = np.sin(x)
+        np.multiply(g, out, out=out)
+        return np.negative(out, out=out)
+    return -(g * np.sin(x))
+
+
+def _tanh_rule(g: Any, ans: Any, x: Any) -> Any:
+    if large(g, ans):
+        out = np.multiply(ans, ans)
+        np.subtract(1, out, out=out)
+        return np.multiply(g, out, out=out)
+    return g * (1 - ans * ans)
+
+
+def _sigmoid_rule(g: Any, ans: Any, x: Any) -> Any:
+    # Both forms compute g * (ans * (1 - ans)) (the one buffer holds 1 - ans first).
+    if large(g, ans):
+        out = np.subtract(1, ans)
+        np.multiply(ans, out, out=out)
+        return np.multiply(g, out, out=out)
+    return g * (ans * (1 - ans))
+
+
+def _softplus_rule(g: Any, ans: Any, x: Any) -> Any:
+    # softplus' = sigmoid, written as sigmoid's forward so that it dispatches on Tensors.
+    # Halved last (0.5 * (g * s) is (0.5 * g) * s unless g * s is subnormal).
+    if large(g, x):
+        out = np.multiply(0.5, x)
+        np.tanh(out, out=out)
+        np.add(1, out, out=out)
+        np.multiply(g, out, out=out)
+        return np.multiply(out, 0.5, out=out)
+    return g * (1 + np.tanh(0.5 * x)) * 0.5
+
+
+sin = defop("sin", np.sin, _sin_rule)
+cos = defop("cos", np.cos, _cos_rule)
+tanh = defop("tanh", np.tanh, _tanh_rule)
 # 0.5 * (1 + tanh(x / 2)) is sigmoid without overflow for large |x|.
-sigmoid = defop("sigmoid", lambda x: 0.5 * (1 + np.tanh(0.5 * x)),
-                lambda g, ans, x: g * ans * (1 - ans),
+sigmoid = defop("sigmoid", lambda x: 0.5 * (1 + np.tanh(0.5 * x)), _sigmoid_rule,
                 doc="1 / (1 + exp(-x)), elementwise, without overflow.")
-# softplus' = sigmoid, written as sigmoid's forward so that it dispatches on Tensors.
-softplus = defop("softplus", lambda x: np.logaddexp(0, x),
-                 lambda g, ans, x: g * 0.5 * (1 + np.tanh(0.5 * x)),
+softplus = defop("softplus", lambda x: np.logaddexp(0, x), _softplus_rule,
                  doc="log(1 + exp(x)), elementwise, without overflow.")
 
 # ----- copies and dtype -----

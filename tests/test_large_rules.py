@@ -1,0 +1,135 @@
+"""The one-buffer form of the rules (pargrad/ops/large.py) against their operator form.
+
+Each rule runs on the same arrays twice: with ``OUT_MIN`` at 0 (every call takes the
+one-buffer form) and above the arrays' size (the operator form); the gradients must be
+the same bits once cast to the input's dtype (as ``Node.apply`` casts them), in float64
+and float32, also where the incoming gradient is a read-only
+broadcast (as ``sum``'s rule returns it), which the rules must never write into.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import pargrad
+from pargrad.ops import elementwise as e
+from pargrad.ops import large
+from pargrad.ops import nn, reductions
+
+SHAPE = (40, 50)
+
+
+def _cases() -> dict[str, tuple[Any, int, Callable[[np.random.Generator], tuple[Any, ...]],
+                                dict[str, Any]]]:
+    """name -> (op, argument, its arguments from a generator, params)."""
+    def one(rng: np.random.Generator) -> tuple[Any, ...]:
+        return (rng.uniform(-3, 3, SHAPE),)
+
+    def positive(rng: np.random.Generator) -> tuple[Any, ...]:
+        return (rng.uniform(0.1, 3, SHAPE),)
+
+    def two(rng: np.random.Generator) -> tuple[Any, ...]:
+        return rng.uniform(-3, 3, SHAPE), rng.uniform(0.5, 3, SHAPE)
+
+    def with_zeros(rng: np.random.Generator) -> tuple[Any, ...]:
+        x = rng.uniform(-3, 3, SHAPE)
+        x[::3] = 0.0
+        return (x,)
+
+    def ties(rng: np.random.Generator) -> tuple[Any, ...]:
+        return (rng.integers(0, 3, SHAPE).astype(float),)
+
+    axis = {"axis": 1}
+    rows = {"axis": (1,), "keepdims": False}
+    return {
+        "divide/y": (e.divide, 1, two, {}),
+        "sqrt": (e.sqrt, 0, positive, {}),
+        "square": (e.square, 0, one, {}),
+        "log1p": (e.log1p, 0, positive, {}),
+        "expm1": (e.expm1, 0, one, {}),
+        "abs": (e.abs, 0, with_zeros, {}),
+        "relu": (e.relu, 0, with_zeros, {}),
+        "sin": (e.sin, 0, one, {}),
+        "cos": (e.cos, 0, one, {}),
+        "tanh": (e.tanh, 0, one, {}),
+        "sigmoid": (e.sigmoid, 0, one, {}),
+        "softplus": (e.softplus, 0, one, {}),
+        "softmax": (nn._softmax_op, 0, one, axis),
+        "log_softmax": (nn._log_softmax_op, 0, one, axis),
+        "logsumexp": (reductions._logsumexp_op, 0, one, rows),
+        "logsumexp/all": (reductions._logsumexp_op, 0, one, {"axis": None, "keepdims": True}),
+        "max": (reductions._max, 0, ties, rows),
+        "min": (reductions._min, 0, ties, {"axis": (0,), "keepdims": True}),
+        "cumsum": (reductions._cumsum, 0, one, {"axis": 1}),
+    }
+
+
+CASES = _cases()
+
+
+def _rule_both_ways(name: str, dtype: Any, broadcast_g: bool,
+                    monkeypatch: pytest.MonkeyPatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    op, argnum, make, params = CASES[name]
+    rng = np.random.default_rng(sorted(CASES).index(name))
+    args = tuple(a.astype(dtype) for a in make(rng))
+    ans = np.asarray(op.forward(*args, **params))
+    if broadcast_g:
+        g = np.broadcast_to(dtype(0.75), ans.shape)
+    else:
+        g = rng.standard_normal(ans.shape).astype(dtype)
+        g.flags.writeable = False  # a rule writing into it raises
+    results = []
+    for out_min in (0, 10**9):
+        monkeypatch.setattr(large, "OUT_MIN", out_min)
+        result = np.asarray(op.rules[argnum](g, ans, *args, **params))
+        results.append(result.astype(dtype, copy=False))  # as Node.apply casts it
+    return results[0], results[1], g
+
+
+@pytest.mark.parametrize("broadcast_g", [False, True], ids=["g", "broadcast-g"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_one_buffer_form_gives_the_operator_forms_bits(
+        name: str, dtype: Any, broadcast_g: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    one_buffer, operators, g = _rule_both_ways(name, dtype, broadcast_g, monkeypatch)
+    assert one_buffer.shape == operators.shape
+    assert one_buffer.dtype == operators.dtype
+    assert one_buffer.tobytes() == operators.tobytes()
+    assert not np.shares_memory(one_buffer, g)
+
+
+def test_large_needs_plain_arrays_of_at_least_out_min_elements() -> None:
+    big, small = np.zeros(large.OUT_MIN), np.zeros(large.OUT_MIN - 1)
+    assert large.large(big, big)
+    assert not large.large(small, small)
+    assert not large.large(big, pargrad.tensor(big))
+    assert not large.large(pargrad.tensor(big))
+
+
+def test_retained_graph_gives_a_fresh_gradient_each_backward() -> None:
+    """A second backward of a retained graph must not write into the first's result."""
+    x = pargrad.tensor(np.linspace(-2, 2, 4 * large.OUT_MIN), requires_grad=True)
+    y = pargrad.tanh(pargrad.sigmoid(x))
+    seed = pargrad.tensor(np.full(x.shape, 0.5))
+    first = pargrad.grad([y], [x], [seed], retain_graph=True)[0].numpy().copy()
+    again = pargrad.grad([y], [x], [seed], retain_graph=True)[0]
+    held = pargrad.grad([y], [x], [seed * 2], retain_graph=True)[0]
+    np.testing.assert_array_equal(again.numpy(), first)
+    np.testing.assert_array_equal(held.numpy(), 2 * first)
+    assert not np.shares_memory(again.numpy(), held.numpy())
+    np.testing.assert_array_equal(seed.numpy(), 0.5)  # the caller's grad_output untouched
+
+
+def test_large_form_matches_finite_differences_through_create_graph() -> None:
+    """With create_graph the rules get Tensors and take the operator form: second
+    derivatives of a large input are right (tanh'' = -2 tanh (1 - tanh^2))."""
+    x = pargrad.tensor(np.linspace(-2, 2, 2 * large.OUT_MIN), requires_grad=True)
+    (dx,) = pargrad.grad([pargrad.sum(pargrad.tanh(x))], [x], create_graph=True)
+    (ddx,) = pargrad.grad([pargrad.sum(dx)], [x])
+    t = np.tanh(x.numpy())
+    np.testing.assert_allclose(dx.numpy(), 1 - t * t, rtol=1e-12)
+    np.testing.assert_allclose(ddx.numpy(), -2 * t * (1 - t * t), rtol=1e-12, atol=1e-15)
