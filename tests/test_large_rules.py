@@ -1,7 +1,9 @@
-"""The one-buffer form of the rules (pargrad/ops/large.py) against their operator form.
+"""The one-buffer form of the rules (pargrad/ops/large.py) and their fused kernels
+(pargrad/ops/fused.py, where numba is installed) against their operator form.
 
 Each rule runs on the same arrays twice: with ``OUT_MIN`` at 0 (every call takes the
-one-buffer form) and above the arrays' size (the operator form); the gradients must be
+one-buffer form, or the fused kernel under ``kernels=fused``) and above the arrays' size
+(the operator form); the gradients must be
 the same bits once cast to the input's dtype (as ``Node.apply`` casts them), in float64
 and float32, also where the incoming gradient is a read-only
 broadcast (as ``sum``'s rule returns it), which the rules must never write into.
@@ -9,7 +11,7 @@ broadcast (as ``sum``'s rule returns it), which the rules must never write into.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -17,10 +19,21 @@ import pytest
 
 import pargrad
 from pargrad.ops import elementwise as e
-from pargrad.ops import large
-from pargrad.ops import nn, reductions
+from pargrad.ops import fused, large, nn, reductions
 
 SHAPE = (40, 50)
+# The fused kernels that sum rows in their own order: close to the numpy form, not equal.
+NOT_BITWISE_FUSED = {"softmax", "log_softmax"}
+
+
+@pytest.fixture(params=["numpy", "fused"])
+def kernels(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The rules' large form: numpy's out= steps, or the fused kernels (needs numba)."""
+    if request.param == "fused" and not fused.available():
+        pytest.skip("numba is not installed (pip install 'pargrad[fast]')")
+    previous = fused.set_enabled(request.param == "fused")
+    yield request.param
+    fused.set_enabled(previous)
 
 
 def _cases() -> dict[str, tuple[Any, int, Callable[[np.random.Generator], tuple[Any, ...]],
@@ -93,13 +106,50 @@ def _rule_both_ways(name: str, dtype: Any, broadcast_g: bool,
 @pytest.mark.parametrize("broadcast_g", [False, True], ids=["g", "broadcast-g"])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_one_buffer_form_gives_the_operator_forms_bits(
-        name: str, dtype: Any, broadcast_g: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    one_buffer, operators, g = _rule_both_ways(name, dtype, broadcast_g, monkeypatch)
-    assert one_buffer.shape == operators.shape
-    assert one_buffer.dtype == operators.dtype
-    assert one_buffer.tobytes() == operators.tobytes()
-    assert not np.shares_memory(one_buffer, g)
+def test_large_form_gives_the_operator_forms_bits(
+        name: str, dtype: Any, broadcast_g: bool, kernels: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    large_form, operators, g = _rule_both_ways(name, dtype, broadcast_g, monkeypatch)
+    assert large_form.shape == operators.shape
+    assert large_form.dtype == operators.dtype
+    if kernels == "fused" and name in NOT_BITWISE_FUSED and dtype == np.float64:
+        np.testing.assert_allclose(large_form, operators, rtol=1e-12, atol=1e-15)
+        assert large_form.tobytes() != operators.tobytes() or broadcast_g  # the kernel ran
+    else:
+        assert large_form.tobytes() == operators.tobytes()
+    assert not np.shares_memory(large_form, g)
+
+
+@pytest.mark.skipif(not fused.available(), reason="numba is not installed")
+@pytest.mark.parametrize("name", ["tanh_backward", "sigmoid_backward", "relu_backward"])
+def test_fused_elementwise_kernel_runs_on_a_slice(name: str) -> None:
+    """The lead's chunks call a kernel on slices: writing half and half gives the whole."""
+    previous = fused.set_enabled(True)
+    try:
+        run = fused.kernel(name)
+    finally:
+        fused.set_enabled(previous)
+    assert run is not None
+    rng = np.random.default_rng(7)
+    g, other = rng.standard_normal(1000), rng.uniform(-1, 1, 1000)
+    whole, halves = np.empty(1000), np.empty(1000)
+    run(whole, g, other)
+    run(halves[:500], g[:500], other[:500])
+    run(halves[500:], g[500:], other[500:])
+    assert whole.tobytes() == halves.tobytes()
+    expected = {"tanh_backward": g * (1 - other * other),
+                "sigmoid_backward": g * (other * (1 - other)),
+                "relu_backward": g * (other > 0)}[name]
+    assert whole.tobytes() == expected.tobytes()
+
+
+def test_switch_without_numba_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fused, "_available", False)
+    monkeypatch.setattr(fused, "_enabled", False)
+    with pytest.raises(ImportError, match="numba"):
+        fused.set_enabled(True)
+    assert not fused.enabled()
+    assert fused.kernel("tanh_backward") is None
 
 
 def test_large_needs_plain_arrays_of_at_least_out_min_elements() -> None:
@@ -108,6 +158,24 @@ def test_large_needs_plain_arrays_of_at_least_out_min_elements() -> None:
     assert not large.large(small, small)
     assert not large.large(big, pargrad.tensor(big))
     assert not large.large(pargrad.tensor(big))
+
+
+@pytest.mark.timeout(120)
+def test_engines_agree_bitwise_with_the_same_kernel_set(
+        canonical_engine: pargrad.Engine, kernels: str) -> None:
+    """Deterministic mode's contract with either kernel set: the reference's bits."""
+    rng = np.random.default_rng(11)
+    x = pargrad.tensor(rng.standard_normal((64, 600)), requires_grad=True)
+
+    def grads(engine: pargrad.Engine) -> bytes:
+        x.grad = None
+        h = pargrad.tanh(x) * 1.5 + pargrad.sigmoid(x) + pargrad.relu(x)
+        loss = pargrad.sum(pargrad.log_softmax(h, axis=1) * pargrad.softmax(x, axis=1))
+        pargrad.backward([loss], engine=engine)
+        assert x.grad is not None
+        return x.grad.numpy().tobytes()
+
+    assert grads(canonical_engine) == grads(pargrad.SequentialEngine())
 
 
 def test_retained_graph_gives_a_fresh_gradient_each_backward() -> None:

@@ -11,13 +11,15 @@ from typing import Any
 import numpy as np
 
 from pargrad.devices import Device, device
+from pargrad.ops import fused
 from pargrad.ops.core import defop, implements, nondifferentiable
 from pargrad.ops.large import large
 from pargrad.tensor import Tensor
 
 # Rules with several operators also have a one-buffer form for large arrays
 # (pargrad/ops/large.py): the same arithmetic in the same order, so the same bits, except
-# where a rule's comment says otherwise.
+# where a rule's comment says otherwise; tanh, sigmoid and relu first try their fused
+# kernel (pargrad/ops/fused.py, with numba), which also gives the same bits.
 
 # ----- arithmetic -----
 add = defop("add", np.add,
@@ -105,10 +107,10 @@ def _abs_rule(g: Any, ans: Any, x: Any) -> Any:
 
 
 def _relu_rule(g: Any, ans: Any, x: Any) -> Any:
-    if large(g, x) and x.shape == g.shape:
-        out = np.empty(g.shape, np.result_type(g, np.bool_))
-        np.greater(x, 0, out=out)  # 1.0 or 0.0: g times it is g * (x > 0), bit for bit
-        return np.multiply(g, out, out=out)
+    # One buffer already (the mask is a byte an element; writing it into the result as
+    # 1.0 / 0.0 first measured slower).
+    if large(g, x) and (out := fused.elementwise("relu_backward", g, x)) is not None:
+        return out
     return g * (x > 0)
 
 
@@ -150,6 +152,8 @@ def _cos_rule(g: Any, ans: Any, x: Any) -> Any:
 
 def _tanh_rule(g: Any, ans: Any, x: Any) -> Any:
     if large(g, ans):
+        if (out := fused.elementwise("tanh_backward", g, ans)) is not None:
+            return out
         out = np.multiply(ans, ans)
         np.subtract(1, out, out=out)
         return np.multiply(g, out, out=out)
@@ -159,6 +163,8 @@ def _tanh_rule(g: Any, ans: Any, x: Any) -> Any:
 def _sigmoid_rule(g: Any, ans: Any, x: Any) -> Any:
     # Both forms compute g * (ans * (1 - ans)) (the one buffer holds 1 - ans first).
     if large(g, ans):
+        if (out := fused.elementwise("sigmoid_backward", g, ans)) is not None:
+            return out
         out = np.subtract(1, ans)
         np.multiply(ans, out, out=out)
         return np.multiply(g, out, out=out)

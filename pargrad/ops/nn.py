@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from pargrad.numpy_names import numpy_names
+from pargrad.ops import fused
 from pargrad.ops.core import defop, ndim_of, normalize_axis
 from pargrad.ops.large import large
 from pargrad.ops.reductions import _logsumexp
@@ -23,7 +24,9 @@ def _log_softmax(x: np.ndarray, *, axis: int) -> np.ndarray:
 
 
 def _softmax_rule(g: Any, ans: Any, x: Any, *, axis: int) -> Any:
-    if large(g, ans):  # the same steps in one buffer (pargrad/ops/large.py)
+    if large(g, ans):  # fused (pargrad/ops/fused.py), or the same steps in one buffer
+        if (out := fused.rows("softmax_backward", g, ans, axis)) is not None:
+            return out
         out = np.multiply(g, ans)
         total = np.sum(out, axis=axis, keepdims=True)
         np.subtract(g, total, out=out)
@@ -33,6 +36,8 @@ def _softmax_rule(g: Any, ans: Any, x: Any, *, axis: int) -> Any:
 
 def _log_softmax_rule(g: Any, ans: Any, x: Any, *, axis: int) -> Any:
     if large(g, ans):
+        if (out := fused.rows("log_softmax_backward", g, ans, axis)) is not None:
+            return out
         total = np.sum(g, axis=axis, keepdims=True)
         out = np.exp(ans)
         np.multiply(out, total, out=out)
