@@ -152,12 +152,23 @@ def test_switch_without_numba_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
     assert fused.kernel("tanh_backward") is None
 
 
-def test_large_needs_plain_arrays_of_at_least_out_min_elements() -> None:
-    big, small = np.zeros(large.OUT_MIN), np.zeros(large.OUT_MIN - 1)
-    assert large.large(big, big)
-    assert not large.large(small, small)
-    assert not large.large(big, pargrad.tensor(big))
-    assert not large.large(pargrad.tensor(big))
+def test_plain_means_no_tensor_among_the_arrays() -> None:
+    big = np.zeros(large.OUT_MIN)
+    assert large.plain(big, big)
+    assert not large.plain(big, pargrad.tensor(big))
+    assert not large.plain(pargrad.tensor(big))
+
+
+def test_arrays_below_out_min_take_the_operator_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Just below OUT_MIN no out= step runs (the out= forms would raise here)."""
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a one-buffer step ran on a small array")
+
+    monkeypatch.setattr(fused, "_enabled", False)
+    x = np.linspace(-2, 2, large.OUT_MIN - 1)
+    g, ans = np.ones_like(x), np.tanh(x)
+    monkeypatch.setattr(large, "plain", refuse)
+    np.testing.assert_array_equal(e.tanh.rules[0](g, ans, x), 1 - ans * ans)
 
 
 @pytest.mark.timeout(120)

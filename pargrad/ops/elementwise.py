@@ -11,9 +11,8 @@ from typing import Any
 import numpy as np
 
 from pargrad.devices import Device, device
-from pargrad.ops import fused
+from pargrad.ops import fused, large
 from pargrad.ops.core import defop, implements, nondifferentiable
-from pargrad.ops.large import large
 from pargrad.tensor import Tensor
 
 # Rules with several operators also have a one-buffer form for large arrays
@@ -35,7 +34,7 @@ multiply = defop("multiply", np.multiply,
 
 def _divide_divisor_rule(g: Any, ans: Any, x: Any, y: Any) -> Any:
     # Reads no ans: x /= y stays legal. Two buffers in the large form (y * y has y's shape).
-    if large(g, x):
+    if g.size >= large.OUT_MIN and large.plain(g, x):
         out = np.negative(g)
         np.multiply(out, x, out=out)
         return np.divide(out, y * y, out=out)
@@ -63,28 +62,28 @@ power = defop("power", np.power,
 
 # ----- exponentials and powers -----
 def _sqrt_rule(g: Any, ans: Any, x: Any) -> Any:
-    if large(g, ans):
+    if g.size >= large.OUT_MIN and large.plain(g, ans):
         out = np.multiply(2, ans)
         return np.divide(g, out, out=out)
     return g / (2 * ans)
 
 
 def _square_rule(g: Any, ans: Any, x: Any) -> Any:
-    if large(g, x):
+    if g.size >= large.OUT_MIN and large.plain(g, x):
         out = np.multiply(g, 2)
         return np.multiply(out, x, out=out)
     return g * 2 * x
 
 
 def _log1p_rule(g: Any, ans: Any, x: Any) -> Any:
-    if large(g, x):
+    if g.size >= large.OUT_MIN and large.plain(g, x):
         out = np.add(1, x)
         return np.divide(g, out, out=out)
     return g / (1 + x)
 
 
 def _expm1_rule(g: Any, ans: Any, x: Any) -> Any:
-    if large(g, ans):
+    if g.size >= large.OUT_MIN and large.plain(g, ans):
         out = np.add(ans, 1)
         return np.multiply(g, out, out=out)
     return g * (ans + 1)
@@ -100,7 +99,7 @@ expm1 = defop("expm1", np.expm1, _expm1_rule)
 # ----- piecewise -----
 # abs'(0) is taken as 0, relu'(0) as 0. maximum/minimum split g evenly on ties.
 def _abs_rule(g: Any, ans: Any, x: Any) -> Any:
-    if large(g, x):
+    if g.size >= large.OUT_MIN and large.plain(g, x):
         out = np.sign(x)
         return np.multiply(g, out, out=out)
     return g * np.sign(x)
@@ -109,7 +108,8 @@ def _abs_rule(g: Any, ans: Any, x: Any) -> Any:
 def _relu_rule(g: Any, ans: Any, x: Any) -> Any:
     # One buffer already (the mask is a byte an element; writing it into the result as
     # 1.0 / 0.0 first measured slower).
-    if large(g, x) and (out := fused.elementwise("relu_backward", g, x)) is not None:
+    if (g.size >= large.OUT_MIN and large.plain(g, x)
+            and (out := fused.elementwise("relu_backward", g, x)) is not None):
         return out
     return g * (x > 0)
 
@@ -136,14 +136,15 @@ _where = defop("where", np.where,
 
 # ----- trigonometric and hyperbolic -----
 def _sin_rule(g: Any, ans: Any, x: Any) -> Any:
-    if large(g, x):
+    if g.size >= large.OUT_MIN and large.plain(g, x):
         out = np.cos(x)
         return np.multiply(g, out, out=out)
     return g * np.cos(x)
 
 
 def _cos_rule(g: Any, ans: Any, x: Any) -> Any:
-    if large(g, x):  # -(g * s) is (-g) * s: negation is exact
+    # -(g * s) is (-g) * s: negation is exact.
+    if g.size >= large.OUT_MIN and large.plain(g, x):
         out = np.sin(x)
         np.multiply(g, out, out=out)
         return np.negative(out, out=out)
@@ -151,7 +152,7 @@ def _cos_rule(g: Any, ans: Any, x: Any) -> Any:
 
 
 def _tanh_rule(g: Any, ans: Any, x: Any) -> Any:
-    if large(g, ans):
+    if g.size >= large.OUT_MIN and large.plain(g, ans):
         if (out := fused.elementwise("tanh_backward", g, ans)) is not None:
             return out
         out = np.multiply(ans, ans)
@@ -162,7 +163,7 @@ def _tanh_rule(g: Any, ans: Any, x: Any) -> Any:
 
 def _sigmoid_rule(g: Any, ans: Any, x: Any) -> Any:
     # Both forms compute g * (ans * (1 - ans)) (the one buffer holds 1 - ans first).
-    if large(g, ans):
+    if g.size >= large.OUT_MIN and large.plain(g, ans):
         if (out := fused.elementwise("sigmoid_backward", g, ans)) is not None:
             return out
         out = np.subtract(1, ans)
@@ -174,7 +175,7 @@ def _sigmoid_rule(g: Any, ans: Any, x: Any) -> Any:
 def _softplus_rule(g: Any, ans: Any, x: Any) -> Any:
     # softplus' = sigmoid, written as sigmoid's forward so that it dispatches on Tensors.
     # Halved last (0.5 * (g * s) is (0.5 * g) * s unless g * s is subnormal).
-    if large(g, x):
+    if g.size >= large.OUT_MIN and large.plain(g, x):
         out = np.multiply(0.5, x)
         np.tanh(out, out=out)
         np.add(1, out, out=out)

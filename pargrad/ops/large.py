@@ -22,16 +22,18 @@ from typing import Any
 import numpy as np
 
 OUT_MIN = 1 << 14
-"""Elements from which a rule writes into one buffer. Measured (benchmarks/rules.py):
-tanh's rule with out= costs 1.14x the operator form at 100 elements, the same at 4,000,
+"""Elements from which a rule writes into one buffer. Measured on tanh's rule here:
+out= costs 1.14x the operator form at 100 elements, about the same at 1,000-4,000,
 0.8x at 16,000 and 0.1-0.4x from 65,536 up (where every temporary is a fresh mapping)."""
 
 _ndarray = np.ndarray
 
 
-def large(g: Any, *others: Any) -> bool:
-    """Whether a rule takes its one-buffer form: ``g`` is a plain array of at least
-    ``OUT_MIN`` elements and each of ``others`` is a plain array too (not a Tensor)."""
-    if type(g) is not _ndarray or g.size < OUT_MIN:
-        return False
-    return all(type(other) is _ndarray for other in others)
+def plain(*arrays: Any) -> bool:
+    """Whether every one of ``arrays`` is a plain array (not a Tensor recording a graph).
+
+    A rule takes its one-buffer form where ``g.size >= large.OUT_MIN and
+    large.plain(g, ...)``: the size first, as it is all that small arrays pay for
+    (an attribute and a comparison; a call to this function would cost more).
+    """
+    return all(type(array) is _ndarray for array in arrays)

@@ -7,9 +7,8 @@ from typing import Any
 import numpy as np
 
 from pargrad.numpy_names import numpy_names
-from pargrad.ops import fused
+from pargrad.ops import fused, large
 from pargrad.ops.core import defop, ndim_of, normalize_axis
-from pargrad.ops.large import large
 from pargrad.ops.reductions import _logsumexp
 from pargrad.tensor import Tensor
 
@@ -24,7 +23,8 @@ def _log_softmax(x: np.ndarray, *, axis: int) -> np.ndarray:
 
 
 def _softmax_rule(g: Any, ans: Any, x: Any, *, axis: int) -> Any:
-    if large(g, ans):  # fused (pargrad/ops/fused.py), or the same steps in one buffer
+    # Fused (pargrad/ops/fused.py), or the same steps in one buffer (pargrad/ops/large.py).
+    if g.size >= large.OUT_MIN and large.plain(g, ans):
         if (out := fused.rows("softmax_backward", g, ans, axis)) is not None:
             return out
         out = np.multiply(g, ans)
@@ -35,7 +35,7 @@ def _softmax_rule(g: Any, ans: Any, x: Any, *, axis: int) -> Any:
 
 
 def _log_softmax_rule(g: Any, ans: Any, x: Any, *, axis: int) -> Any:
-    if large(g, ans):
+    if g.size >= large.OUT_MIN and large.plain(g, ans):
         if (out := fused.rows("log_softmax_backward", g, ans, axis)) is not None:
             return out
         total = np.sum(g, axis=axis, keepdims=True)

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from pargrad.numpy_names import numpy_names
+from pargrad.ops import large
 from pargrad.ops.core import (
     Op,
     array_of,
@@ -23,7 +24,6 @@ from pargrad.ops.core import (
     normalize_axes,
     normalize_axis,
 )
-from pargrad.ops.large import large
 from pargrad.ops.shape import reshape
 from pargrad.tensor import Tensor
 
@@ -41,7 +41,8 @@ def _count(shape: tuple[int, ...], axis: Axis) -> int:
 
 def _share_extremum(g: Any, ans: Any, x: Any, *, axis: Axis, keepdims: bool) -> Any:
     mask = x == _unreduce(ans, axis, keepdims)
-    if large(x, g, ans):  # one buffer besides the mask (pargrad/ops/large.py)
+    # One buffer besides the mask in the large form (pargrad/ops/large.py).
+    if x.size >= large.OUT_MIN and large.plain(x, g, ans):
         out = np.multiply(_unreduce(g, axis, keepdims), mask)
         return np.divide(out, np.sum(mask, axis=axis, keepdims=True), out=out)
     return _unreduce(g, axis, keepdims) * mask / np.sum(mask, axis=axis, keepdims=True)
@@ -71,7 +72,8 @@ def _prod_rule(g: Any, ans: Any, x: Any, *, axis: Axis, keepdims: bool) -> Any:
 
 
 def _logsumexp_rule(g: Any, ans: Any, x: Any, *, axis: Axis, keepdims: bool) -> Any:
-    if large(x, g, ans):  # the same steps in one buffer (pargrad/ops/large.py)
+    # The same steps in one buffer in the large form (pargrad/ops/large.py).
+    if x.size >= large.OUT_MIN and large.plain(x, g, ans):
         out = np.subtract(x, _unreduce(ans, axis, keepdims))
         np.exp(out, out=out)
         return np.multiply(_unreduce(g, axis, keepdims), out, out=out)
@@ -81,7 +83,7 @@ def _logsumexp_rule(g: Any, ans: Any, x: Any, *, axis: Axis, keepdims: bool) -> 
 def _cumsum_rule(g: Any, ans: Any, x: Any, *, axis: int) -> Any:
     # The gradient of a running sum is the running sum of g from the other end: the total
     # minus the running sum up to each element, plus that element's own g.
-    if large(g):
+    if g.size >= large.OUT_MIN and large.plain(g):
         out = np.cumsum(g, axis=axis)
         np.subtract(np.sum(g, axis=axis, keepdims=True), out, out=out)
         return np.add(out, g, out=out)
