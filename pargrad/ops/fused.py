@@ -8,16 +8,20 @@ other dtypes, the rules take their numpy form.
 
 Guarantees:
 - Each kernel is ``kernel(out, *inputs)``: it writes into ``out`` (a fresh array the
-  caller owns) and reads the inputs only, so it may run on any slice of them (whole rows
-  for softmax and log_softmax); it releases the GIL (``nogil``).
+  caller owns) and reads the inputs only, so it may run on any slice of them; the
+  elementwise ones take one-dimensional arrays (flattened contiguous ones), softmax's
+  and log_softmax's two-dimensional ones (rows along the last axis, whole rows per
+  slice). They release the GIL (``nogil``).
 - The elementwise kernels (tanh, sigmoid, relu) do the numpy form's arithmetic in its
   order: the same bits. softmax and log_softmax sum each row in order (numpy sums
   pairwise) and use numba's ``exp``: within a few ulps of the numpy form, not the same
   bits. Every engine runs the same rule, so deterministic mode stays bitwise equal
   across engines *with the same kernel set*: compare runs with the kernels on, or both
   with them off.
-- Compiled on first use, each kernel once (under ``_compile_lock``), with numba's
-  on-disk cache (``cache=True``), so later processes load them.
+- Compiled on first use (under ``_compile_lock``; each kernel again at its first call
+  with new argument types), with numba's on-disk cache (``cache=True``), so later
+  processes load them instead of compiling. Measured here: the first kernel call of a
+  process still costs about 2 s (numba's import and start-up), the others about 10 ms.
 
 Assumptions: numba's compiled functions may be called from any number of threads at
 once (they hold no state).
@@ -78,8 +82,8 @@ def set_enabled(flag: bool) -> bool:
 def kernel(name: str) -> Kernel | None:
     """The compiled kernel ``name`` (``tanh_backward``, ``sigmoid_backward``,
     ``relu_backward``, ``softmax_backward``, ``log_softmax_backward``), or None where
-    the kernels are off. Compiles it on first use (blocking, a second or so; loaded from
-    numba's cache after that)."""
+    the kernels are off. The first call in a process imports numba and makes them all
+    (blocking; see the module's guarantees for what it costs)."""
     if not _enabled:
         return None
     found = _kernels.get(name)
@@ -92,16 +96,17 @@ def kernel(name: str) -> Kernel | None:
 
 
 def elementwise(name: str, g: np.ndarray, other: np.ndarray) -> np.ndarray | None:
-    """``kernel(name)`` run on ``g`` and ``other`` (arrays of one shape; ``g`` may be a
-    broadcast view) into a fresh array, or None where there is no kernel for them (off,
-    or not float64)."""
-    if g.dtype != np.float64 or other.dtype != np.float64 or g.shape != other.shape:
+    """``kernel(name)`` run on ``g`` and ``other`` (contiguous float64 arrays of one
+    shape) into a fresh array, or None where there is no kernel for them (off, another
+    dtype, or a strided or broadcast array: numpy's form handles those)."""
+    if (g.dtype != np.float64 or other.dtype != np.float64 or g.shape != other.shape
+            or not g.flags.c_contiguous or not other.flags.c_contiguous):
         return None
     run = kernel(name)
     if run is None:
         return None
     out = np.empty(g.shape)
-    run(out, g, other)
+    run(out.reshape(-1), g.reshape(-1), other.reshape(-1))
     return out
 
 
@@ -123,22 +128,25 @@ def rows(name: str, g: np.ndarray, ans: np.ndarray, axis: int) -> np.ndarray | N
 
 def _compile() -> dict[str, Kernel]:
     """Every kernel, compiled (or loaded from numba's cache)."""
-    from numba import njit, vectorize
+    from numba import njit
 
-    f8 = ["float64(float64, float64)"]
+    # One-dimensional: the caller passes contiguous arrays (or slices of them) flattened.
+    @njit(nogil=True, cache=True)
+    def tanh_backward(out: Any, g: Any, y: Any) -> None:
+        for i in range(out.size):
+            out[i] = g[i] * (1.0 - y[i] * y[i])
 
-    @vectorize(f8, nopython=True, cache=True)
-    def tanh_ufunc(g: float, y: float) -> float:
-        return g * (1.0 - y * y)
+    @njit(nogil=True, cache=True)
+    def sigmoid_backward(out: Any, g: Any, y: Any) -> None:
+        for i in range(out.size):
+            out[i] = g[i] * (y[i] * (1.0 - y[i]))
 
-    @vectorize(f8, nopython=True, cache=True)
-    def sigmoid_ufunc(g: float, y: float) -> float:
-        return g * (y * (1.0 - y))
+    @njit(nogil=True, cache=True)
+    def relu_backward(out: Any, g: Any, x: Any) -> None:
+        for i in range(out.size):
+            out[i] = g[i] * (1.0 if x[i] > 0 else 0.0)
 
-    @vectorize(f8, nopython=True, cache=True)
-    def relu_ufunc(g: float, x: float) -> float:
-        return g * (1.0 if x > 0 else 0.0)
-
+    # Two-dimensional: rows along the last axis.
     @njit(nogil=True, cache=True)
     def softmax_backward(out: Any, g: Any, ans: Any) -> None:
         for i in range(g.shape[0]):
@@ -157,11 +165,6 @@ def _compile() -> dict[str, Kernel]:
             for j in range(g.shape[1]):
                 out[i, j] = g[i, j] - np.exp(ans[i, j]) * total
 
-    def of_ufunc(ufunc: Any) -> Kernel:
-        def run(out: np.ndarray, g: np.ndarray, other: np.ndarray) -> None:
-            ufunc(g, other, out=out)
-        return run
-
-    return {"tanh_backward": of_ufunc(tanh_ufunc), "sigmoid_backward": of_ufunc(sigmoid_ufunc),
-            "relu_backward": of_ufunc(relu_ufunc), "softmax_backward": softmax_backward,
+    return {"tanh_backward": tanh_backward, "sigmoid_backward": sigmoid_backward,
+            "relu_backward": relu_backward, "softmax_backward": softmax_backward,
             "log_softmax_backward": log_softmax_backward}
