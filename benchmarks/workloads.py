@@ -465,8 +465,8 @@ SMOKE: dict[str, dict[str, Any]] = {
 }
 """The tiny sizes of smoke mode; full uses the defaults of each class."""
 QUICK: dict[str, dict[str, Any]] = {
-    "deep-elementwise": {"size": 1_000_000},
-    "softmax-xent": {"batch": 4096},
+    "deep-elementwise": {"size": 500_000},
+    "softmax-xent": {"batch": 2048},
 }
 """Quick mode's smaller arrays (the same graphs); the other workloads keep their defaults."""
 CLASSES: dict[str, Callable[..., Workload]] = {
