@@ -94,7 +94,7 @@ def main() -> None:
     parser.add_argument("--only", metavar="RULE,...", help=f"of: {', '.join(CASES)}")
     args = parser.parse_args()
     sizes = (100, 10**6) if args.quick else (100, 10**5, 10**6, 4 * 10**6)
-    rounds = 5 if args.quick else 11
+    rounds = 5 if args.quick else 21
     names = args.only.split(",") if args.only else list(CASES)
     previous = fused.enabled()
     print(f"load average {os.getloadavg()[0]:.2f}; numba "
