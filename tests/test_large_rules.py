@@ -143,6 +143,24 @@ def test_fused_elementwise_kernel_runs_on_a_slice(name: str) -> None:
     assert whole.tobytes() == expected.tobytes()
 
 
+def test_a_numba_that_fails_to_import_turns_the_kernels_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken() -> dict[str, Any]:
+        raise ImportError("numba needs an older numpy")
+
+    monkeypatch.setattr(fused, "_available", True)
+    monkeypatch.setattr(fused, "_enabled", True)
+    monkeypatch.setattr(fused, "_kernels", {})
+    monkeypatch.setattr(fused, "_compile", broken)
+    g = np.full(large.OUT_MIN, 0.5)
+    ans = np.linspace(-0.9, 0.9, large.OUT_MIN)
+    with pytest.warns(RuntimeWarning, match="fused kernels are off: numba failed"):
+        result = e.tanh.rules[0](g, ans, ans)
+    assert result.tobytes() == (g * (1 - ans * ans)).tobytes()
+    assert not fused.enabled() and not fused.available()
+    assert fused.kernel("tanh_backward") is None
+
+
 def test_switch_without_numba_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fused, "_available", False)
     monkeypatch.setattr(fused, "_enabled", False)

@@ -26,6 +26,9 @@ Guarantees:
 Assumptions: numba's compiled functions may be called from any number of threads at
 once (they hold no state).
 
+Where numba is installed but fails to import (say, a release older than the installed
+numpy), the first large rule warns once (RuntimeWarning) and the kernels stay off.
+
 Turn them off with the environment variable ``PARGRAD_FUSED=0`` (read at import) or
 ``set_enabled(False)``, e.g. to compare with a machine that has no numba.
 """
@@ -35,6 +38,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -90,9 +94,22 @@ def kernel(name: str) -> Kernel | None:
     if found is None:
         with _compile_lock:
             if not _kernels:
-                _kernels.update(_compile())
+                try:
+                    _kernels.update(_compile())
+                except ImportError as exc:  # installed but broken (e.g. too old for numpy)
+                    _unavailable(exc)
+                    return None
             found = _kernels[name]
     return found
+
+
+def _unavailable(exc: ImportError) -> None:
+    """Turn the kernels off for good after numba failed to import, and say so once."""
+    global _available, _enabled
+    _available = _enabled = False
+    warnings.warn(f"pargrad's fused kernels are off: numba failed to import ({exc}); "
+                  f"the rules use numpy (set PARGRAD_FUSED=0 to skip trying)",
+                  RuntimeWarning, stacklevel=3)
 
 
 def elementwise(name: str, g: np.ndarray, other: np.ndarray) -> np.ndarray | None:
