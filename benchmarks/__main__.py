@@ -59,8 +59,8 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
                       help="tiny graphs, one run each: checks that the suite runs")
     parser.add_argument("--only", metavar="NAME,...",
                         help="run only these workloads: wide-matmul, wide-elementwise, "
-                             "tiny-chain, fan-in, mlp-step, random-dag (every size), "
-                             "overlap")
+                             "tiny-chain, fan-in, mlp-step, deep-elementwise, "
+                             "softmax-xent, random-dag (every size), overlap")
     parser.add_argument("--workers", metavar="N,...", default="1,2,4",
                         help="the ThreadedEngine worker counts to compare (default 1,2,4)")
     parser.add_argument("--json", metavar="FILE", help="write every figure to FILE")

@@ -99,7 +99,8 @@ def trial(peer: str, module: Any, workload: Workload, cores: int) -> Trial | str
 
 def _torch_trial(torch: Any, workload: Workload, threads: int) -> Trial:
     ops = Ops(const=torch.from_numpy, tanh=torch.tanh, relu=torch.relu, sum=torch.sum,
-              mean=torch.mean, log_softmax=lambda x, axis: torch.log_softmax(x, dim=axis))
+              mean=torch.mean, log_softmax=lambda x, axis: torch.log_softmax(x, dim=axis),
+              exp=torch.exp)
     leaves = [torch.from_numpy(a).requires_grad_() for a in workload.arrays]
 
     def forward() -> Any:
@@ -118,7 +119,8 @@ def _hips_trial(autograd: Any, workload: Workload) -> Trial:
     logsumexp = autograd.scipy.special.logsumexp
     ops = Ops(const=lambda a: a, tanh=anp.tanh, relu=lambda x: anp.maximum(x, 0.0),
               sum=anp.sum, mean=anp.mean,
-              log_softmax=lambda x, axis: x - logsumexp(x, axis=axis, keepdims=True))
+              log_softmax=lambda x, axis: x - logsumexp(x, axis=axis, keepdims=True),
+              exp=anp.exp)
     gradient = autograd.grad(lambda leaves: workload.graph(ops, leaves))
 
     def backward(_: Any) -> np.ndarray:

@@ -27,6 +27,12 @@ And those of issue #12 (the per-op cost), where "fastest torch" is the faster of
 - wide-elementwise sweep (branches, depth and size varied): threaded(2)'s and the
   default engine's speed-up >= 0.9 x the ceiling's at every point.
 
+And those of issue #13 (large arrays), where "torch" runs at the cores' intra-op threads:
+
+- deep-elementwise: the default engine's backward speed-up over the reference >= 1.6
+  (a chain: only intra-op parallelism can give it), and its forward + backward <= 1.3 x
+  torch's.
+
 Peak memory against an earlier commit: ``benchmarks/compare.py``.
 """
 
@@ -182,6 +188,13 @@ def targets(workloads: list[dict[str, Any]], cores: int, default: str,
                          if peer in present else None)
                 _target(out, f"{name}: {default} / {peer}", value, limit, False,
                         "forward + backward")
+        if name == "deep-elementwise":
+            _target(out, f"{name}: {default} speed-up", reference / median(w, default), 1.6,
+                    True, "backward")
+            value = (median(w, default, "total") / median(w, "torch", "total")
+                     if "torch" in present else None)
+            _target(out, f"{name}: {default} / torch", value, 1.3, False,
+                    "forward + backward")
         seq_peak = present[SEQUENTIAL]["peak_backward_bytes"]
         if seq_peak:
             worst = max(threaded, key=lambda t: present[t]["peak_backward_bytes"])

@@ -10,8 +10,9 @@ on plain Python threads with no engine at all (the most threads can give), start
 the engines' backward, right after the same forward. Every trial's backward returns the
 gradient of the first leaf, which the suite checks against the reference's.
 
-Sizes: ``sizes(mode)`` gives each workload's parameters for ``full``/``quick`` (the same
-graphs; quick only repeats less) and ``smoke`` (tiny graphs, for the test suite).
+Sizes: ``make_workloads(mode)`` gives each workload's parameters for ``full``/``quick``
+(the same graphs; quick repeats less, and runs deep-elementwise and softmax-xent on
+smaller arrays) and ``smoke`` (tiny graphs, for the test suite).
 """
 
 from __future__ import annotations
@@ -54,10 +55,11 @@ class Ops:
     sum: Callable[[Any], Any]
     mean: Callable[[Any], Any]
     log_softmax: Callable[[Any, int], Any]  # (x, axis)
+    exp: Callable[[Any], Any]
 
 
 PARGRAD = Ops(const=pargrad.tensor, tanh=pargrad.tanh, relu=pargrad.relu, sum=pargrad.sum,
-              mean=pargrad.mean, log_softmax=pargrad.log_softmax)
+              mean=pargrad.mean, log_softmax=pargrad.log_softmax, exp=pargrad.exp)
 
 
 def count_nodes(roots: list[pargrad.Tensor]) -> int:
@@ -338,6 +340,51 @@ class MlpStep(Workload):
         return -ops.mean(log_probs[np.arange(self.batch), self.labels])
 
 
+# ----- deep-elementwise -----
+class DeepElementwise(Workload):
+    """One chain of ``cycles`` x 6 elementwise ops on one large array: a graph with no
+    branches, where only parallelism inside an op (intra-op) can help."""
+
+    name = "deep-elementwise"
+
+    def __init__(self, size: int = 4_000_000, cycles: int = 4, seed: int = 5) -> None:
+        self.size, self.cycles = size, cycles
+        self.description = (f"one chain of {cycles} x (tanh, * 1.5, + 0.1, relu, exp, * 0.3) "
+                            f"= {6 * cycles} ops on {size:,}-element arrays, summed")
+        self.arrays = [np.random.default_rng(seed).standard_normal(size)]
+
+    def graph(self, ops: Ops, leaves: list[Any]) -> Any:
+        y = leaves[0]
+        for _ in range(self.cycles):  # values stay within (0, 1.5]: exp never overflows
+            y = ops.exp(ops.relu(ops.tanh(y) * 1.5 + 0.1)) * 0.3
+        return ops.sum(y)
+
+
+# ----- softmax-xent -----
+class SoftmaxXent(Workload):
+    """A linear classifier head on a large batch: ``logits = x @ W + b``, log_softmax
+    over the classes, mean negative log-likelihood of the labels. Its backward is one
+    matmul (for W) and the softmax's and indexing's rules on ``batch x classes``
+    elements."""
+
+    name, calls_blas = "softmax-xent", True
+
+    def __init__(self, batch: int = 16384, features: int = 64, classes: int = 256,
+                 seed: int = 6) -> None:
+        rng = np.random.default_rng(seed)
+        self.batch = batch
+        self.description = (f"classifier head: logits = x @ W + b ({batch} x {features} "
+                            f"-> {classes} classes, float64), log_softmax, mean NLL")
+        self.x = rng.standard_normal((batch, features))
+        self.labels = rng.integers(0, classes, batch)
+        self.arrays = [rng.standard_normal((features, classes)) / np.sqrt(features),
+                       np.zeros(classes)]
+
+    def graph(self, ops: Ops, leaves: list[Any]) -> Any:
+        log_probs = ops.log_softmax(ops.const(self.x) @ leaves[0] + leaves[1], 1)
+        return -ops.mean(log_probs[np.arange(self.batch), self.labels])
+
+
 # ----- random-dag -----
 class RandomDag(Workload):
     """A random DAG from the test suite's ``graph_recipes`` strategy (the one with the
@@ -413,11 +460,19 @@ SMOKE: dict[str, dict[str, Any]] = {
     "tiny-chain": {"ops": 50},
     "fan-in": {"width": 8, "size": 64},
     "mlp-step": {"batch": 8, "sizes": (16, 8, 8, 3)},
+    "deep-elementwise": {"size": 1000, "cycles": 1},
+    "softmax-xent": {"batch": 16, "features": 4, "classes": 5},
 }
-"""The tiny sizes of smoke mode; full and quick use the defaults of each class."""
+"""The tiny sizes of smoke mode; full uses the defaults of each class."""
+QUICK: dict[str, dict[str, Any]] = {
+    "deep-elementwise": {"size": 500_000},
+    "softmax-xent": {"batch": 2048},
+}
+"""Quick mode's smaller arrays (the same graphs); the other workloads keep their defaults."""
 CLASSES: dict[str, Callable[..., Workload]] = {
     "wide-matmul": WideMatmul, "wide-elementwise": WideElementwise, "tiny-chain": TinyChain,
-    "fan-in": FanIn, "mlp-step": MlpStep}
+    "fan-in": FanIn, "mlp-step": MlpStep, "deep-elementwise": DeepElementwise,
+    "softmax-xent": SoftmaxXent}
 RANDOM_DAG_STEPS = {"full": (30, 300, 1000), "quick": (30, 300), "smoke": (12,)}
 
 
@@ -425,9 +480,9 @@ def make_workloads(mode: str) -> dict[str, Callable[[], Workload]]:
     """Every workload's name and constructor at the sizes of ``mode`` (``full``,
     ``quick`` or ``smoke``). The random-dag constructors need hypothesis (they draw from
     tests/strategies.py) and raise ImportError without it."""
+    sized = SMOKE if mode == "smoke" else QUICK if mode == "quick" else {}
     made: dict[str, Callable[[], Workload]] = {
-        name: functools.partial(cls, **(SMOKE[name] if mode == "smoke" else {}))
-        for name, cls in CLASSES.items()}
+        name: functools.partial(cls, **sized.get(name, {})) for name, cls in CLASSES.items()}
     for steps in RANDOM_DAG_STEPS[mode]:
         made[f"random-dag:{steps}"] = functools.partial(RandomDag, steps)
     return made

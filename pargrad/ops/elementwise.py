@@ -11,8 +11,14 @@ from typing import Any
 import numpy as np
 
 from pargrad.devices import Device, device
+from pargrad.ops import fused, large
 from pargrad.ops.core import defop, implements, nondifferentiable
 from pargrad.tensor import Tensor
+
+# Rules with several operators also have a one-buffer form for large arrays
+# (pargrad/ops/large.py): the same arithmetic in the same order, so the same bits, except
+# where a rule's comment says otherwise; tanh, sigmoid and relu first try their fused
+# kernel (pargrad/ops/fused.py, with numba), which also gives the same bits.
 
 # ----- arithmetic -----
 add = defop("add", np.add,
@@ -24,10 +30,20 @@ subtract = defop("subtract", np.subtract,
 multiply = defop("multiply", np.multiply,
                  lambda g, ans, x, y: g * y,
                  lambda g, ans, x, y: g * x, elementwise=True)
+
+
+def _divide_divisor_rule(g: Any, ans: Any, x: Any, y: Any) -> Any:
+    # Reads no ans: x /= y stays legal. Two buffers in the large form (y * y has y's shape).
+    if g.size >= large.OUT_MIN and large.plain(g, x):
+        out = np.negative(g)
+        np.multiply(out, x, out=out)
+        return np.divide(out, y * y, out=out)
+    return -g * x / (y * y)
+
+
 divide = defop("divide", np.divide,
                lambda g, ans, x, y: g / y,
-               lambda g, ans, x, y: -g * x / (y * y),  # reads no ans: x /= y stays legal
-               elementwise=True)
+               _divide_divisor_rule, elementwise=True)
 negative = defop("negative", np.negative,
                  lambda g, ans, x: -g, needs_values=False, elementwise=True)
 
@@ -45,18 +61,62 @@ power = defop("power", np.power,
               lambda g, ans, x, y: g * ans * np.log(np.where(x == 0, 1, x)), elementwise=True)
 
 # ----- exponentials and powers -----
+def _sqrt_rule(g: Any, ans: Any, x: Any) -> Any:
+    if g.size >= large.OUT_MIN and large.plain(g, ans):
+        out = np.multiply(2, ans)
+        return np.divide(g, out, out=out)
+    return g / (2 * ans)
+
+
+def _square_rule(g: Any, ans: Any, x: Any) -> Any:
+    if g.size >= large.OUT_MIN and large.plain(g, x):
+        out = np.multiply(g, 2)
+        return np.multiply(out, x, out=out)
+    return g * 2 * x
+
+
+def _log1p_rule(g: Any, ans: Any, x: Any) -> Any:
+    if g.size >= large.OUT_MIN and large.plain(g, x):
+        out = np.add(1, x)
+        return np.divide(g, out, out=out)
+    return g / (1 + x)
+
+
+def _expm1_rule(g: Any, ans: Any, x: Any) -> Any:
+    if g.size >= large.OUT_MIN and large.plain(g, ans):
+        out = np.add(ans, 1)
+        return np.multiply(g, out, out=out)
+    return g * (ans + 1)
+
+
 exp = defop("exp", np.exp, lambda g, ans, x: g * ans, elementwise=True)
 log = defop("log", np.log, lambda g, ans, x: g / x, elementwise=True)
-sqrt = defop("sqrt", np.sqrt, lambda g, ans, x: g / (2 * ans), elementwise=True)
-square = defop("square", np.square, lambda g, ans, x: g * 2 * x, elementwise=True)
-log1p = defop("log1p", np.log1p, lambda g, ans, x: g / (1 + x), elementwise=True)
-expm1 = defop("expm1", np.expm1, lambda g, ans, x: g * (ans + 1), elementwise=True)
+sqrt = defop("sqrt", np.sqrt, _sqrt_rule, elementwise=True)
+square = defop("square", np.square, _square_rule, elementwise=True)
+log1p = defop("log1p", np.log1p, _log1p_rule, elementwise=True)
+expm1 = defop("expm1", np.expm1, _expm1_rule, elementwise=True)
 
 # ----- piecewise -----
 # abs'(0) is taken as 0, relu'(0) as 0. maximum/minimum split g evenly on ties.
-abs = defop("absolute", np.absolute, lambda g, ans, x: g * np.sign(x), elementwise=True)
-relu = defop("relu", lambda x: np.maximum(x, 0), lambda g, ans, x: g * (x > 0),
-             doc="max(x, 0), elementwise; its gradient at 0 is taken as 0.", elementwise=True)
+def _abs_rule(g: Any, ans: Any, x: Any) -> Any:
+    if g.size >= large.OUT_MIN and large.plain(g, x):
+        out = np.sign(x)
+        return np.multiply(g, out, out=out)
+    return g * np.sign(x)
+
+
+def _relu_rule(g: Any, ans: Any, x: Any) -> Any:
+    # One buffer already (the mask is a byte an element; writing it into the result as
+    # 1.0 / 0.0 first measured slower).
+    if (g.size >= large.OUT_MIN and large.plain(g, x)
+            and (out := fused.elementwise("relu_backward", g, x)) is not None):
+        return out
+    return g * (x > 0)
+
+
+abs = defop("absolute", np.absolute, _abs_rule, elementwise=True)
+relu = defop("relu", lambda x: np.maximum(x, 0), _relu_rule, elementwise=True,
+             doc="max(x, 0), elementwise; its gradient at 0 is taken as 0.")
 maximum = defop("maximum", np.maximum,
                 lambda g, ans, x, y: np.where(x == y, g / 2, g * (x > y)),
                 lambda g, ans, x, y: np.where(x == y, g / 2, g * (y > x)), elementwise=True)
@@ -75,17 +135,63 @@ _where = defop("where", np.where,
                lambda g, ans, c, x, y: np.where(c, 0, g), elementwise=True)
 
 # ----- trigonometric and hyperbolic -----
-sin = defop("sin", np.sin, lambda g, ans, x: g * np.cos(x), elementwise=True)
-cos = defop("cos", np.cos, lambda g, ans, x: -g * np.sin(x), elementwise=True)
-tanh = defop("tanh", np.tanh, lambda g, ans, x: g * (1 - ans * ans), elementwise=True)
+def _sin_rule(g: Any, ans: Any, x: Any) -> Any:
+    if g.size >= large.OUT_MIN and large.plain(g, x):
+        out = np.cos(x)
+        return np.multiply(g, out, out=out)
+    return g * np.cos(x)
+
+
+def _cos_rule(g: Any, ans: Any, x: Any) -> Any:
+    # -(g * s) is (-g) * s: negation is exact.
+    if g.size >= large.OUT_MIN and large.plain(g, x):
+        out = np.sin(x)
+        np.multiply(g, out, out=out)
+        return np.negative(out, out=out)
+    return -(g * np.sin(x))
+
+
+def _tanh_rule(g: Any, ans: Any, x: Any) -> Any:
+    if g.size >= large.OUT_MIN and large.plain(g, ans):
+        if (out := fused.elementwise("tanh_backward", g, ans)) is not None:
+            return out
+        out = np.multiply(ans, ans)
+        np.subtract(1, out, out=out)
+        return np.multiply(g, out, out=out)
+    return g * (1 - ans * ans)
+
+
+def _sigmoid_rule(g: Any, ans: Any, x: Any) -> Any:
+    # Both forms compute g * (ans * (1 - ans)) (the one buffer holds 1 - ans first).
+    if g.size >= large.OUT_MIN and large.plain(g, ans):
+        if (out := fused.elementwise("sigmoid_backward", g, ans)) is not None:
+            return out
+        out = np.subtract(1, ans)
+        np.multiply(ans, out, out=out)
+        return np.multiply(g, out, out=out)
+    return g * (ans * (1 - ans))
+
+
+def _softplus_rule(g: Any, ans: Any, x: Any) -> Any:
+    # softplus' = sigmoid, written as sigmoid's forward so that it dispatches on Tensors.
+    # Halved last (0.5 * (g * s) is (0.5 * g) * s unless g * s is subnormal).
+    if g.size >= large.OUT_MIN and large.plain(g, x):
+        out = np.multiply(0.5, x)
+        np.tanh(out, out=out)
+        np.add(1, out, out=out)
+        np.multiply(g, out, out=out)
+        return np.multiply(out, 0.5, out=out)
+    return g * (1 + np.tanh(0.5 * x)) * 0.5
+
+
+sin = defop("sin", np.sin, _sin_rule, elementwise=True)
+cos = defop("cos", np.cos, _cos_rule, elementwise=True)
+tanh = defop("tanh", np.tanh, _tanh_rule, elementwise=True)
 # 0.5 * (1 + tanh(x / 2)) is sigmoid without overflow for large |x|.
-sigmoid = defop("sigmoid", lambda x: 0.5 * (1 + np.tanh(0.5 * x)),
-                lambda g, ans, x: g * ans * (1 - ans),
-                doc="1 / (1 + exp(-x)), elementwise, without overflow.", elementwise=True)
-# softplus' = sigmoid, written as sigmoid's forward so that it dispatches on Tensors.
-softplus = defop("softplus", lambda x: np.logaddexp(0, x),
-                 lambda g, ans, x: g * 0.5 * (1 + np.tanh(0.5 * x)),
-                 doc="log(1 + exp(x)), elementwise, without overflow.", elementwise=True)
+sigmoid = defop("sigmoid", lambda x: 0.5 * (1 + np.tanh(0.5 * x)), _sigmoid_rule,
+                elementwise=True, doc="1 / (1 + exp(-x)), elementwise, without overflow.")
+softplus = defop("softplus", lambda x: np.logaddexp(0, x), _softplus_rule,
+                 elementwise=True, doc="log(1 + exp(x)), elementwise, without overflow.")
 
 # ----- copies and dtype -----
 copy = defop("copy", lambda x: np.array(x, copy=True), lambda g, ans, x: g,

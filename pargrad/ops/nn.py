@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from pargrad.numpy_names import numpy_names
+from pargrad.ops import fused, large
 from pargrad.ops.core import defop, ndim_of, normalize_axis
 from pargrad.ops.reductions import _logsumexp
 from pargrad.tensor import Tensor
@@ -21,13 +22,32 @@ def _log_softmax(x: np.ndarray, *, axis: int) -> np.ndarray:
     return x - _logsumexp(x, axis=(axis,), keepdims=True)
 
 
+def _softmax_rule(g: Any, ans: Any, x: Any, *, axis: int) -> Any:
+    # Fused (pargrad/ops/fused.py), or the same steps in one buffer (pargrad/ops/large.py).
+    if g.size >= large.OUT_MIN and large.plain(g, ans):
+        if (out := fused.rows("softmax_backward", g, ans, axis)) is not None:
+            return out
+        out = np.multiply(g, ans)
+        total = np.sum(out, axis=axis, keepdims=True)
+        np.subtract(g, total, out=out)
+        return np.multiply(ans, out, out=out)
+    return ans * (g - np.sum(g * ans, axis=axis, keepdims=True))
+
+
+def _log_softmax_rule(g: Any, ans: Any, x: Any, *, axis: int) -> Any:
+    if g.size >= large.OUT_MIN and large.plain(g, ans):
+        if (out := fused.rows("log_softmax_backward", g, ans, axis)) is not None:
+            return out
+        total = np.sum(g, axis=axis, keepdims=True)
+        out = np.exp(ans)
+        np.multiply(out, total, out=out)
+        return np.subtract(g, out, out=out)
+    return g - np.exp(ans) * np.sum(g, axis=axis, keepdims=True)
+
+
 # ----- normalisers -----
-_softmax_op = defop("softmax", _softmax,
-                    lambda g, ans, x, *, axis:
-                        ans * (g - np.sum(g * ans, axis=axis, keepdims=True)))
-_log_softmax_op = defop("log_softmax", _log_softmax,
-                        lambda g, ans, x, *, axis:
-                            g - np.exp(ans) * np.sum(g, axis=axis, keepdims=True))
+_softmax_op = defop("softmax", _softmax, _softmax_rule)
+_log_softmax_op = defop("log_softmax", _log_softmax, _log_softmax_rule)
 
 
 @numpy_names

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from pargrad.numpy_names import numpy_names
+from pargrad.ops import large
 from pargrad.ops.core import (
     Op,
     array_of,
@@ -40,6 +41,10 @@ def _count(shape: tuple[int, ...], axis: Axis) -> int:
 
 def _share_extremum(g: Any, ans: Any, x: Any, *, axis: Axis, keepdims: bool) -> Any:
     mask = x == _unreduce(ans, axis, keepdims)
+    # One buffer besides the mask in the large form (pargrad/ops/large.py).
+    if x.size >= large.OUT_MIN and large.plain(x, g, ans):
+        out = np.multiply(_unreduce(g, axis, keepdims), mask)
+        return np.divide(out, np.sum(mask, axis=axis, keepdims=True), out=out)
     return _unreduce(g, axis, keepdims) * mask / np.sum(mask, axis=axis, keepdims=True)
 
 
@@ -66,6 +71,25 @@ def _prod_rule(g: Any, ans: Any, x: Any, *, axis: Axis, keepdims: bool) -> Any:
         zero, nonzeros * (zeros == 1), nonzeros * of_zeros / np.where(zero, 1, x))
 
 
+def _logsumexp_rule(g: Any, ans: Any, x: Any, *, axis: Axis, keepdims: bool) -> Any:
+    # The same steps in one buffer in the large form (pargrad/ops/large.py).
+    if x.size >= large.OUT_MIN and large.plain(x, g, ans):
+        out = np.subtract(x, _unreduce(ans, axis, keepdims))
+        np.exp(out, out=out)
+        return np.multiply(_unreduce(g, axis, keepdims), out, out=out)
+    return _unreduce(g, axis, keepdims) * np.exp(x - _unreduce(ans, axis, keepdims))
+
+
+def _cumsum_rule(g: Any, ans: Any, x: Any, *, axis: int) -> Any:
+    # The gradient of a running sum is the running sum of g from the other end: the total
+    # minus the running sum up to each element, plus that element's own g.
+    if g.size >= large.OUT_MIN and large.plain(g):
+        out = np.cumsum(g, axis=axis)
+        np.subtract(np.sum(g, axis=axis, keepdims=True), out, out=out)
+        return np.add(out, g, out=out)
+    return np.sum(g, axis=axis, keepdims=True) - np.cumsum(g, axis=axis) + g
+
+
 # ----- reductions -----
 _sum = defop("sum", lambda x, *, axis, keepdims: np.sum(x, axis=axis, keepdims=keepdims),
              lambda g, ans, x, *, axis, keepdims:
@@ -82,17 +106,10 @@ _min = defop("min", lambda x, *, axis, keepdims: np.min(x, axis=axis, keepdims=k
              _share_extremum)
 _prod = defop("prod", lambda x, *, axis, keepdims: np.prod(x, axis=axis, keepdims=keepdims),
               _prod_rule)
-_logsumexp_op = defop("logsumexp", _logsumexp,
-                      lambda g, ans, x, *, axis, keepdims:
-                          _unreduce(g, axis, keepdims)
-                          * np.exp(x - _unreduce(ans, axis, keepdims)))
+_logsumexp_op = defop("logsumexp", _logsumexp, _logsumexp_rule)
 
 # ----- scans -----
-# The gradient of a running sum is the running sum of g from the other end: the total
-# minus the running sum up to each element, plus that element's own g.
-_cumsum = defop("cumsum", lambda x, *, axis: np.cumsum(x, axis=axis),
-                lambda g, ans, x, *, axis:
-                    np.sum(g, axis=axis, keepdims=True) - np.cumsum(g, axis=axis) + g,
+_cumsum = defop("cumsum", lambda x, *, axis: np.cumsum(x, axis=axis), _cumsum_rule,
                 needs_values=False)
 
 
