@@ -16,8 +16,8 @@ Guarantees:
   so the loops see the same alignment). ``fn``'s arguments are never written.
 - A busy thread is never taken from other work: the job goes only to threads blocked
   waiting for work (``ReadyQueue.offer``), and the holder runs every chunk no helper
-  took. Without helpers (no engine pool, one core, every thread busy) the holder runs
-  all chunks itself.
+  took. Where no thread could help (the reference engine, ``intra_op=False``, one core,
+  a BLAS node running) the call is not cut at all.
 - A chunk's exception is raised by the holder once no chunk runs any more; the chunks
   not yet started are then skipped. So is every chunk after the holder was interrupted.
 - Which threads help is decided by the engine that is current (``set_helpers_finder``,
@@ -80,11 +80,12 @@ def large(arrays: Sequence[Any]) -> bool:
 
 def elementwise(fn: Callable[..., Any], args: Sequence[Any],
                 params: dict[str, Any]) -> np.ndarray | None:
-    """``fn(*args, **params)`` computed in chunks (module doc), or None where it cannot
-    be: fewer elements than ``min_elements``, array arguments of different shapes (a
-    broadcast) or not C-contiguous, or ``fn`` returning something other than a fresh
-    array of its chunk's shape (a view of an argument, which the caller computes
-    unchunked at no cost). The caller then calls ``fn`` itself."""
+    """``fn(*args, **params)`` computed in chunks (module doc), or None where it is not
+    cut: fewer elements than ``min_elements``, array arguments of different shapes (a
+    broadcast) or not C-contiguous, no thread that could help, or ``fn`` returning
+    something other than a fresh array of its chunk's shape (a view of an argument,
+    which the caller computes unchunked at no cost). The caller then calls ``fn``
+    itself."""
     shape: tuple[int, ...] | None = None
     for a in args:
         if type(a) is np.ndarray and a.ndim:
@@ -99,6 +100,9 @@ def elementwise(fn: Callable[..., Any], args: Sequence[Any],
     size = int(np.prod(shape))
     chunk = _chunk_elements
     if size < _min_elements or size <= chunk:
+        return None
+    offer = _helpers_finder()
+    if offer is None:  # nobody could help: the plain call, as the reference engine makes it
         return None
     flat = [a.reshape(-1) if type(a) is np.ndarray and a.ndim else None for a in args]
 
@@ -118,9 +122,7 @@ def elementwise(fn: Callable[..., Any], args: Sequence[Any],
 
     count = -(-size // chunk)
     job = Job(run, count, first=1)
-    offer = _helpers_finder()
-    if offer is not None:
-        offer(job, count - 2)  # the holder runs one chunk at least: offer the others
+    offer(job, count - 2)  # the holder runs one chunk at least: offer the others
     job.run_here()
     return out.reshape(shape)
 

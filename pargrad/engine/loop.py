@@ -210,7 +210,7 @@ def thread_main(queue: ReadyQueue[NodeTask], at: Device, owner: GraphTask | None
             if owner is None:
                 return  # closed: queues close only when no task is in flight
             continue
-        if type(item) is Job:  # chunks of a large elementwise call (pargrad/parallel.py)
+        if isinstance(item, Job):  # chunks of a large elementwise call (pargrad/parallel.py)
             item.help()
             del item
             continue

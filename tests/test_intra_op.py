@@ -1,0 +1,249 @@
+"""Intra-op parallelism (pargrad/parallel.py): a large elementwise call cut into chunks
+that idle engine threads help with gives bitwise the unchunked result, forward and
+backward, on every engine; chunks reach idle threads only; errors and interrupts of a
+chunked call behave as the unchunked call's.
+
+The thresholds are lowered (``small_chunks``) so that small arrays straddle them."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import pargrad
+from pargrad import parallel
+from pargrad.engine.ready_queue import ReadyQueue
+from pargrad.ops.core import defop
+
+MIN, CHUNK = 48, 16
+
+fixture_ok = settings(suppress_health_check=[HealthCheck.function_scoped_fixture],
+                      deadline=None, max_examples=40)
+
+
+class CountedJob(parallel.Job):
+    """A Job that counts the chunked calls (so a test knows the cut happened)."""
+
+    made = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        CountedJob.made += 1
+        super().__init__(*args, **kwargs)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    previous = parallel.set_thresholds(MIN, CHUNK)
+    monkeypatch.setattr(parallel, "Job", CountedJob)
+    try:
+        yield
+    finally:
+        parallel.set_thresholds(*previous)
+
+
+def wait_idle(engine: pargrad.ThreadedEngine, count: int = 1) -> None:
+    """Until ``count`` of the engine's cpu threads wait for work (so an offer reaches
+    them)."""
+    queue = engine._pool.queue(pargrad.device("cpu"))
+    deadline = time.monotonic() + 10
+    while queue._waiting < count:
+        assert time.monotonic() < deadline, "the workers never became idle"
+        time.sleep(0.001)
+
+
+# ----- the results: bitwise the unchunked ones -----
+
+UNARY = ["tanh", "sigmoid", "exp", "log1p", "sqrt", "square", "sin", "cos", "relu",
+         "abs", "softplus", "expm1", "negative"]
+BINARY = ["add", "subtract", "multiply", "divide", "maximum", "minimum", "power"]
+
+
+def chain(x: Any, y: Any, steps: list[tuple[str, int]]) -> Any:
+    """A chain of elementwise ops on ``x`` (and ``y``, the same shape, or a broadcast
+    row), kept in a numerically tame range."""
+    h = x
+    for name, k in steps:
+        if name in ("log1p", "sqrt"):
+            h = getattr(pargrad, name)(pargrad.abs(h) + 0.25)
+        elif name in UNARY:
+            h = getattr(pargrad, name)(h * 0.5 if name in ("exp", "expm1", "square") else h)
+        else:
+            other = y if k % 2 else 1.5
+            if name == "power":
+                h = pargrad.power(pargrad.abs(h) + 0.5, 1.5 if k % 3 else other * 0 + 2.0)
+            elif name == "divide":
+                h = pargrad.divide(h, pargrad.abs(other) + 1.0)
+            else:
+                h = getattr(pargrad, name)(h, other)
+        h = pargrad.tanh(h)  # bounded for the next step
+    return h
+
+
+step = st.tuples(st.sampled_from(UNARY + BINARY), st.integers(0, 5))
+
+
+def run(engine: pargrad.Engine, x0: np.ndarray, y0: np.ndarray,
+        steps: list[tuple[str, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    x = pargrad.tensor(x0, requires_grad=True)
+    y = pargrad.tensor(y0, requires_grad=True)
+    with pargrad.use_engine(engine):  # the forward's chunks too
+        out = chain(x, y, steps)
+        loss = (out * out).sum() + y.sum()
+    loss.backward(engine=engine)
+    assert x.grad is not None and y.grad is not None
+    return out.data, x.grad.data, y.grad.data
+
+
+@pytest.mark.timeout(300)
+@fixture_ok
+@given(size=st.integers(1, 5 * CHUNK + 3), rows=st.integers(1, 3),
+       broadcast=st.booleans(), steps=st.lists(step, min_size=1, max_size=6),
+       dtype=st.sampled_from([np.float64, np.float32]), seed=st.integers(0, 2**16))
+def test_chunked_equals_unchunked_bitwise(small_chunks: None, size: int, rows: int,
+                                          broadcast: bool, steps: list[tuple[str, int]],
+                                          dtype: type, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    x0 = rng.standard_normal((rows, size)).astype(dtype)
+    y0 = rng.standard_normal((1 if broadcast else rows, size)).astype(dtype)
+    made = CountedJob.made
+    reference = run(pargrad.SequentialEngine(), x0, y0, steps)
+    assert CountedJob.made == made  # the reference engine cuts nothing
+    for engine in ENGINES:
+        got = run(engine, x0, y0, steps)
+        for want, have in zip(reference, got):
+            assert have.dtype == want.dtype
+            np.testing.assert_array_equal(have, want, strict=True)
+    if rows * size > max(MIN, CHUNK):  # cut by the threaded engines with intra_op on
+        assert CountedJob.made > made
+
+
+ENGINES = [pargrad.ThreadedEngine(workers=1), pargrad.ThreadedEngine(workers=2),
+           pargrad.ThreadedEngine(workers=2, deterministic=True),
+           pargrad.ThreadedEngine(workers=2, handoff_threshold=0),
+           pargrad.ThreadedEngine(workers=1, intra_op=False)]
+
+
+def test_the_reference_engine_never_offers_chunks() -> None:
+    assert pargrad.SequentialEngine().intra_op_helpers() is None
+    assert pargrad.ThreadedEngine(intra_op=False).intra_op_helpers() is None
+
+
+# ----- chunks go to idle threads, and only to them -----
+
+def recording_op(threads: set[str], pause: float = 0.0) -> Any:
+    """An elementwise op whose forward records the threads that ran its chunks."""
+    def forward(x: np.ndarray) -> np.ndarray:
+        threads.add(threading.current_thread().name)
+        time.sleep(pause)
+        return x * 2.0
+    return defop("recorded", forward, lambda g, ans, x: g * 2.0, elementwise=True)
+
+
+@pytest.mark.timeout(60)
+def test_idle_workers_help_with_chunks(small_chunks: None) -> None:
+    threads: set[str] = set()
+    op = recording_op(threads, pause=0.02)
+    with pargrad.ThreadedEngine(workers=1) as engine:
+        engine.intra_op_helpers()  # starts the worker
+        wait_idle(engine)
+        x = np.arange(20 * CHUNK, dtype=np.float64)
+        with pargrad.use_engine(engine):
+            out = op(pargrad.tensor(x))
+        np.testing.assert_array_equal(out.data, x * 2.0)
+    assert threading.current_thread().name in threads
+    assert any(name.startswith("pargrad-cpu-") for name in threads), threads
+
+
+@pytest.mark.timeout(60)
+def test_no_engine_threads_without_intra_op(small_chunks: None) -> None:
+    threads: set[str] = set()
+    op = recording_op(threads)
+    for engine in (pargrad.ThreadedEngine(workers=1, intra_op=False), pargrad.SequentialEngine()):
+        with pargrad.use_engine(engine):
+            out = op(pargrad.tensor(np.ones(20 * CHUNK)))
+        np.testing.assert_array_equal(out.data, 2.0)
+    assert threads == {threading.current_thread().name}
+
+
+def test_offer_reaches_only_waiting_threads() -> None:
+    queue: ReadyQueue[str] = ReadyQueue()
+    job = parallel.Job(lambda i: None, 4)
+    assert queue.offer(job, 3) == 0  # nobody waits: nothing is queued for later
+    got: list[Any] = []
+    waiter = threading.Thread(target=lambda: got.append(queue.get()))
+    waiter.start()
+    deadline = time.monotonic() + 10
+    while queue._waiting < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert queue.offer(job, 3) == 1  # one thread waits: one offer
+    waiter.join(10)
+    assert got == [job]
+    queue.put("work", 0, 1)
+    assert queue.offer(job, 3) == 0  # work is queued: the next get takes it, not a job
+    assert queue.get() == "work"
+
+
+# ----- when a call is not cut -----
+
+def test_what_is_not_cut(small_chunks: None) -> None:
+    double = lambda a, b: a * b  # noqa: E731
+    big = np.ones(4 * CHUNK)
+    assert parallel.elementwise(double, (big, 2.0), {}) is not None
+    assert parallel.elementwise(double, (np.ones(MIN - 1), 2.0), {}) is None  # small
+    assert parallel.elementwise(double, (big.reshape(4, CHUNK), np.ones(CHUNK)), {}) is None
+    assert parallel.elementwise(double, (big[::2].repeat(2)[::2], 2.0), {}) is None
+    assert parallel.elementwise(lambda a: a, (big,), {}) is None  # a view: no copy made
+    assert parallel.elementwise(double, (2.0, 3.0), {}) is None  # no array
+
+
+def test_a_chunk_error_is_raised_once_no_chunk_runs(small_chunks: None) -> None:
+    calls: list[int] = []
+
+    def fn(a: np.ndarray) -> np.ndarray:
+        calls.append(a.size)
+        if len(calls) == 3:
+            raise ValueError("chunk three")
+        return a + 1
+
+    with pytest.raises(ValueError, match="chunk three"):
+        parallel.elementwise(fn, (np.ones(10 * CHUNK),), {})
+    assert len(calls) == 3  # the chunks after the error are skipped
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_chunked_rule_fails_the_backward_and_names_its_node(small_chunks: None) -> None:
+    def rule(g: np.ndarray, ans: np.ndarray, x: np.ndarray) -> np.ndarray:
+        if g.size <= CHUNK and g[0] >= 3 * CHUNK:  # a chunk past the first ones
+            raise FloatingPointError("bad chunk")
+        return g * 2.0
+
+    op = defop("fragile", lambda x: x * 2.0, rule, elementwise=True)
+    for engine in ENGINES[:3]:
+        x = pargrad.tensor(np.zeros(8 * CHUNK), requires_grad=True)
+        y = op(x)
+        g = np.arange(8 * CHUNK, dtype=np.float64)
+        with pytest.raises(pargrad.BackwardError, match="FragileBackward") as info:
+            y.backward(g, engine=engine)
+        assert isinstance(info.value.__cause__, FloatingPointError)
+        assert x.grad is None
+
+
+@pytest.mark.timeout(60)
+def test_chunked_backward_on_a_deep_chain_keeps_the_workers_alive(small_chunks: None) -> None:
+    with pargrad.ThreadedEngine(workers=1) as engine:
+        for _ in range(3):
+            x = pargrad.tensor(np.linspace(-1, 1, 6 * CHUNK), requires_grad=True)
+            h = x
+            for _ in range(10):
+                h = pargrad.tanh(h) * 1.1
+            h.sum().backward(engine=engine)
+            assert x.grad is not None
+        assert all(t.is_alive() for t in engine.threads())
