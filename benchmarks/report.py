@@ -31,7 +31,9 @@ And those of issue #13 (large arrays), where "torch" runs at the cores' intra-op
 
 - deep-elementwise: the default engine's backward speed-up over the reference >= 1.6
   (a chain: only intra-op parallelism can give it), and its forward + backward <= 1.3 x
-  torch's.
+  torch's;
+- the wide workloads: ``threaded(d, memory_budget=0)``'s peak backward memory <= 1.05 x
+  the reference's.
 
 Peak memory against an earlier commit: ``benchmarks/compare.py``.
 """
@@ -196,6 +198,11 @@ def targets(workloads: list[dict[str, Any]], cores: int, default: str,
             _target(out, f"{name}: {default} / torch", value, 1.3, False,
                     "forward + backward")
         seq_peak = present[SEQUENTIAL]["peak_backward_bytes"]
+        budgeted = [t for t in threaded if t.endswith("memory_budget=0)") and t in present]
+        if seq_peak and budgeted:
+            _target(out, f"{name}: {budgeted[0]} peak memory / sequential",
+                    present[budgeted[0]]["peak_backward_bytes"] / seq_peak, 1.05, False,
+                    "peak backward memory")
         if seq_peak:
             worst = max(threaded, key=lambda t: present[t]["peak_backward_bytes"])
             _target(out, f"{name}: largest threaded peak memory / sequential ({worst})",

@@ -16,6 +16,7 @@ memory pass of the pargrad engines and the ceilings.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -72,12 +73,14 @@ class Contenders:
     workers: tuple[int, ...]
     engines: dict[str, pargrad.Engine] = field(default_factory=dict)
     blas_engines: dict[str, pargrad.Engine] = field(default_factory=dict)
+    budget_engines: dict[str, pargrad.Engine] = field(default_factory=dict)
     peers: dict[str, Any] = field(default_factory=dict)
     skipped_peers: dict[str, str] = field(default_factory=dict)
 
     def threaded(self) -> list[str]:
         """The names of the ThreadedEngine contenders (limit_blas ones last)."""
-        return [name for name in [*self.engines, *self.blas_engines] if name != SEQUENTIAL]
+        return [name for name in [*self.engines, *self.blas_engines, *self.budget_engines]
+                if name != SEQUENTIAL]
 
 
 @contextmanager
@@ -92,6 +95,9 @@ def contenders(workers: tuple[int, ...], cores: int, use_peers: bool) -> Iterato
         workers=d, deterministic=True)
     made.blas_engines[f"threaded({d}, limit_blas)"] = pargrad.ThreadedEngine(
         workers=d, limit_blas=True)
+    if "memory_budget" in inspect.signature(pargrad.ThreadedEngine).parameters:  # compare
+        made.budget_engines[f"threaded({d}, memory_budget=0)"] = pargrad.ThreadedEngine(
+            workers=d, memory_budget=0)  # runs this code on older commits too
     if use_peers:
         made.peers, made.skipped_peers = peers.load(cores)
     else:
@@ -99,7 +105,8 @@ def contenders(workers: tuple[int, ...], cores: int, use_peers: bool) -> Iterato
     try:
         yield made
     finally:
-        for engine in [*made.engines.values(), *made.blas_engines.values()]:
+        for engine in [*made.engines.values(), *made.blas_engines.values(),
+                       *made.budget_engines.values()]:
             if isinstance(engine, pargrad.ThreadedEngine):
                 engine.shutdown()
 
@@ -118,6 +125,8 @@ def trials_of(workload: Workload, made: Contenders, cores: int
     engines = dict(made.engines)
     if workload.calls_blas:
         engines.update(made.blas_engines)
+    if workload.width is not None:  # a wide graph: its peak memory grows with parallelism
+        engines.update(made.budget_engines)
     for name, engine in engines.items():
         trials[name], kinds[name] = workload.engine_trial(engine), "engine"
     inline, threads, threads_blas_1 = ceiling_names(cores)

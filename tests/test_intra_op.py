@@ -193,8 +193,15 @@ def test_offer_reaches_only_waiting_threads() -> None:
 
 # ----- when a call is not cut -----
 
-def test_what_is_not_cut(small_chunks: None) -> None:
-    double = lambda a, b: a * b  # noqa: E731
+@pytest.fixture
+def helped() -> Iterator[None]:
+    """A ThreadedEngine current (whose workers could help), whatever the default."""
+    with pargrad.ThreadedEngine(workers=1) as engine, pargrad.use_engine(engine):
+        yield
+
+
+def test_what_is_not_cut(small_chunks: None, helped: None) -> None:
+    double = lambda a, b: a * b
     big = np.ones(4 * CHUNK)
     assert parallel.elementwise(double, (big, 2.0), {}) is not None
     assert parallel.elementwise(double, (np.ones(MIN - 1), 2.0), {}) is None  # small
@@ -204,7 +211,7 @@ def test_what_is_not_cut(small_chunks: None) -> None:
     assert parallel.elementwise(double, (2.0, 3.0), {}) is None  # no array
 
 
-def test_a_chunk_error_is_raised_once_no_chunk_runs(small_chunks: None) -> None:
+def test_a_chunk_error_is_raised_once_no_chunk_runs(small_chunks: None, helped: None) -> None:
     calls: list[int] = []
 
     def fn(a: np.ndarray) -> np.ndarray:

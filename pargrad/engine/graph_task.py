@@ -59,12 +59,16 @@ class NodeTask:
     """A ready node of one GraphTask and the gradients gathered for its outputs: what a
     ReadyQueue holds. (Work a thread keeps for itself needs no task and stays a Ready.)"""
 
-    __slots__ = ("grads", "node", "task")
+    __slots__ = ("charged", "grads", "node", "task")
 
-    def __init__(self, task: GraphTask, node: Node, grads: list[Grad | None] | None) -> None:
+    def __init__(self, task: GraphTask, node: Node, grads: list[Grad | None] | None,
+                 charged: int = 0) -> None:
         self.task = task
         self.node = node
         self.grads = grads  # set to None once a thread took them to run the node
+        # Bytes of ``grads`` counted against the engine's memory budget (GraphTask.admit),
+        # released once the thread that took it has run it and what it kept.
+        self.charged = charged
 
 
 STRIPES = 64  # the most stripes of a task; a power of two
@@ -145,6 +149,7 @@ class GraphTask:
         *,
         deterministic: bool,
         depth: int,
+        memory_budget: int | None = None,
         engine: Engine,
         on_done: Callable[[GraphTask], None],
         parent: GraphTask | InlineRun | None = None,
@@ -205,6 +210,10 @@ class GraphTask:
         # Guards _outstanding, _over, _error, _kept.grads and done's event.
         self._lock = threading.Lock()
         self._outstanding = 0
+        # The engine's memory budget (None: none): the bytes of gradients handed to
+        # other threads and not yet run (_handed) may not exceed it (``admit``).
+        self.memory_budget = memory_budget
+        self._handed = 0
         self._over = False  # _outstanding reached zero: nothing runs any more
         self._error: BaseException | None = None
         # True from the first error (or an interrupt) on: nodes not started are skipped.
@@ -318,6 +327,23 @@ class GraphTask:
             self.done.set()
             self._on_done(self)
         return runnable
+
+    def admit(self, nbytes: int) -> bool:
+        """Whether a ready node whose gradients hold ``nbytes`` may be handed to another
+        thread within the memory budget; if so, they are counted until ``release``."""
+        budget = self.memory_budget
+        if budget is None:
+            return True
+        with self._lock:
+            if self._handed + nbytes > budget:
+                return False
+            self._handed += nbytes
+            return True
+
+    def release(self, nbytes: int) -> None:
+        """The gradients ``admit`` counted have been consumed."""
+        with self._lock:
+            self._handed -= nbytes
 
     def sink(self, node: Node, grads: list[Grad | None]) -> None:
         """Keep the gradients of a sink that became ready (after its tensor hooks), on

@@ -219,8 +219,12 @@ def thread_main(queue: ReadyQueue[NodeTask], at: Device, owner: GraphTask | None
         assert item.grads is not None
         local: Local = [(-node.sequence_nr, node, item.grads)]
         item.grads = None  # the heap holds the gradients alone: run_nodes frees them
-        run_nodes(item.task, local, at, reraise=reraise, owner=owner, handed=node,
-                  until=until)
+        try:
+            run_nodes(item.task, local, at, reraise=reraise, owner=owner, handed=node,
+                      until=until)
+        finally:
+            if item.charged:
+                item.task.release(item.charged)
         del item, node  # hold no graph alive while idle
 
 
@@ -431,8 +435,19 @@ def schedule(task: GraphTask, runnable: list[Ready], at: Device, local: Local) -
         heapq.heappush(local, (-node.sequence_nr, node, grads))
     if expensive:
         queue = pool.queue(at)
+        budgeted = task.memory_budget is not None
         for node, grads in expensive:
-            queue.put(NodeTask(task, node, grads), task.depth, node.sequence_nr)
+            charged = _nbytes(grads) if budgeted else 0
+            if budgeted and not task.admit(charged):  # over the memory budget: run it here
+                heapq.heappush(local, (-node.sequence_nr, node, grads))
+                continue
+            queue.put(NodeTask(task, node, grads, charged), task.depth, node.sequence_nr)
+
+
+def _nbytes(grads: list[Grad | None]) -> int:
+    """The bytes of a ready node's gathered gradients (what handing it off keeps alive
+    on another thread)."""
+    return sum(int(getattr(g, "nbytes", 0)) for g in grads if g is not None)
 
 
 # ----- waiting on a queue -----

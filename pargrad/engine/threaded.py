@@ -260,6 +260,13 @@ class ThreadedEngine(Engine):
             current) offer its chunks to this engine's idle workers of the calling
             thread's device (pargrad/parallel.py): a chain of large elementwise nodes
             then uses every core. Results are bitwise the same either way.
+        memory_budget: bytes of gradients a backward may hand to other threads at once
+            (None, the default: no limit). Every branch handed off holds its gradients
+            while it runs, so a wide graph's peak memory grows with the branches in
+            flight; past the budget, a ready node stays on the thread that made it ready
+            and runs in the reference's order, which frees each buffer soonest. ``0``
+            hands nothing off: the reference's order and peak memory (nodes of other
+            devices still go to their threads).
         trace: record every node it runs in ``engine.trace``, a ``Trace`` (thread, device,
             start and end, inline or handed off) that exports Chrome trace JSON
             (``engine.trace.save_chrome_trace(path)``); ``pargrad.profile()`` records
@@ -286,6 +293,7 @@ class ThreadedEngine(Engine):
         handoff_threshold: int = DEFAULT_HANDOFF_THRESHOLD,
         limit_blas: bool = False,
         intra_op: bool = True,
+        memory_budget: int | None = None,
         trace: bool = False,
     ) -> None:
         self._pool: Pool[NodeTask] = Pool(workers, worker_main)
@@ -296,6 +304,8 @@ class ThreadedEngine(Engine):
                                               minimum=0)  # 0: hand off every node
         self.limit_blas = bool(limit_blas)
         self.intra_op = bool(intra_op)
+        self.memory_budget = (None if memory_budget is None
+                              else check_count(memory_budget, "memory_budget", minimum=0))
         weakref.finalize(self, self._pool.shutdown, False)
         with _engines_lock:
             _engines.add(self)
@@ -412,7 +422,8 @@ class ThreadedEngine(Engine):
         the hand-off threshold), or BLAS work dominates while BLAS already uses every
         core (the gate admits one BLAS node at a time): another thread's nodes would
         then only compete with BLAS's own threads for the cores (measured on wide-matmul:
-        plain threads at 0.6-0.8x the reference, docs/performance.md)."""
+        plain threads at 0.6-0.8x the reference, docs/performance.md). With a memory
+        budget of 0 nothing may be handed off either."""
         threshold = self.handoff_threshold
         blas_cost = other_cost = 0
         for node in counts:
@@ -424,7 +435,7 @@ class ThreadedEngine(Engine):
                     blas_cost += cost
                 else:
                     other_cost += cost
-        if not (blas_cost or other_cost):
+        if not (blas_cost or other_cost) or self.memory_budget == 0:  # nothing to hand off
             return True
         return blas_cost >= other_cost and blas.gate_size() <= 1
 
@@ -539,6 +550,7 @@ class ThreadedEngine(Engine):
         task: GraphTask | None = None
         try:
             task = GraphTask(request, deterministic=self.deterministic,
+                             memory_budget=self.memory_budget,
                              depth=0 if parent is None else parent.depth + 1,
                              engine=self, on_done=on_done, parent=parent, counted=counted)
             if work is not None:
