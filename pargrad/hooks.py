@@ -110,7 +110,8 @@ class RemovableHandle:
         self.remove()
 
 
-def register_multi_grad_hook(tensors: Sequence[Tensor], fn: Hook, *,
+# Its branches are those of the hook closure it makes (one per mode), counted with it.
+def register_multi_grad_hook(tensors: Sequence[Tensor], fn: Hook, *,  # noqa: C901
                              mode: str = "all") -> MultiHandle:
     """Call ``fn`` once per backward with the gradients of several ``tensors``.
 

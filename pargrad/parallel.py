@@ -86,15 +86,7 @@ def elementwise(fn: Callable[..., Any], args: Sequence[Any],
     something other than a fresh array of its chunk's shape (a view of an argument,
     which the caller computes unchunked at no cost). The caller then calls ``fn``
     itself."""
-    shape: tuple[int, ...] | None = None
-    for a in args:
-        if type(a) is np.ndarray and a.ndim:
-            if shape is None:
-                shape = a.shape
-            elif a.shape != shape:
-                return None
-            if not a.flags.c_contiguous or a.dtype.hasobject:
-                return None
+    shape = _common_shape(args)
     if shape is None:
         return None
     size = int(np.prod(shape))
@@ -125,6 +117,21 @@ def elementwise(fn: Callable[..., Any], args: Sequence[Any],
     offer(job, count - 2)  # the holder runs one chunk at least: offer the others
     job.run_here()
     return out.reshape(shape)
+
+
+def _common_shape(args: Sequence[Any]) -> tuple[int, ...] | None:
+    """The one shape of the array arguments (0-d arrays and scalars aside), if they are
+    all C-contiguous numbers; else None."""
+    shape: tuple[int, ...] | None = None
+    for a in args:
+        if type(a) is np.ndarray and a.ndim:
+            if shape is None:
+                shape = a.shape
+            elif a.shape != shape:
+                return None
+            if not a.flags.c_contiguous or a.dtype.hasobject:
+                return None
+    return shape
 
 
 class Job:

@@ -287,7 +287,8 @@ class _Run:
         # Ctrl-C raises inside a node; elsewhere here, at the top of run_nodes' loop.
         self.gate = current_gate()
 
-    def evaluate(self, entry: tuple[int, Node, list[Grad | None]]) -> list[Ready]:
+    # One node's whole path, run for every node: a split would cost each node a call.
+    def evaluate(self, entry: tuple[int, Node, list[Grad | None]]) -> list[Ready]:  # noqa: C901, PLR0912, PLR0915
         """Run the node of ``entry`` (taken off a thread's heap): its tensor hooks and the
         gradients kept of it, its backward, then the delivery of its gradients along its
         edges (with the canonical order's keys in deterministic mode), keeping those of
@@ -434,14 +435,20 @@ def schedule(task: GraphTask, runnable: list[Ready], at: Device, local: Local) -
         node, grads = expensive.pop(0)  # the newest: this thread would idle otherwise
         heapq.heappush(local, (-node.sequence_nr, node, grads))
     if expensive:
-        queue = pool.queue(at)
-        budgeted = task.memory_budget is not None
-        for node, grads in expensive:
-            charged = _nbytes(grads) if budgeted else 0
-            if budgeted and not task.admit(charged):  # over the memory budget: run it here
-                heapq.heappush(local, (-node.sequence_nr, node, grads))
-                continue
-            queue.put(NodeTask(task, node, grads, charged), task.depth, node.sequence_nr)
+        _hand_off(task, expensive, pool.queue(at), local)
+
+
+def _hand_off(task: GraphTask, expensive: list[Ready], queue: ReadyQueue[NodeTask],
+              local: Local) -> None:
+    """Put the ``expensive`` ready nodes on ``queue`` for idle threads; past the task's
+    memory budget, keep them on ``local`` instead."""
+    budgeted = task.memory_budget is not None
+    for node, grads in expensive:
+        charged = _nbytes(grads) if budgeted else 0
+        if budgeted and not task.admit(charged):  # over the memory budget: run it here
+            heapq.heappush(local, (-node.sequence_nr, node, grads))
+            continue
+        queue.put(NodeTask(task, node, grads, charged), task.depth, node.sequence_nr)
 
 
 def _nbytes(grads: list[Grad | None]) -> int:

@@ -80,7 +80,9 @@ class SequentialEngine(Engine):
         return kept.grads
 
 
-def run_graph(roots: Sequence[Edge], grads: Sequence[Grad], counts: dict[Node, list[int]],
+# The reference's loop, one node per turn, on every backward: kept in one frame, since a
+# call per node is most of what a small node costs.
+def run_graph(roots: Sequence[Edge], grads: Sequence[Grad], counts: dict[Node, list[int]],  # noqa: C901, PLR0912, PLR0915
               must_run: dict[Node, bool] | None, kept: Kept, *, retain_graph: bool,
               name_errors: bool = False, tally: ThreadCounts | None = None) -> None:
     """Run the backward of steps 2-4 on the calling thread: ``counts`` are the roots'

@@ -486,31 +486,12 @@ class ThreadedEngine(Engine):
         queue = pool.queue(home)
         work = _AsyncWork(pool)
         future: BackwardFuture[dict[Edge, Grad]] = BackwardFuture(work)
-        counters = self._counters
 
         def on_done(task: GraphTask) -> None:
             queue.wake_all()  # a thread helping in result() or cancel() may wait on it
             work.wake_helpers()
-            error = task.error
-            counters.task_ended(failed=error is not None)
-            resolving = _resolving()
-            resolving.append(pool)  # shutdown(wait=True) from a callback would self-wait
-            try:
-                with _outside(task):
-                    if task.was_cancelled:
-                        future._set_cancelled()
-                    elif error is not None:
-                        future.set_exception(_with_hint(error))
-                    else:
-                        _resolve(future, task)
-            except BaseException as exc:  # a done-callback's SystemExit: all callbacks ran
-                if state.pool is not pool:
-                    raise  # a caller's thread (helping, or starting): it gets it
-                _report(exc)  # an engine thread survives it
-            finally:
-                resolving.pop()
-                work.task = None  # the future no longer holds the graph alive
-                pool.task_done()  # last: shutdown(wait=True) returns after the future resolved
+            self._counters.task_ended(failed=task.error is not None)
+            _settle(future, task, work)
 
         # Not a reentrant backward even when a node starts it: that node does not wait.
         # Ctrl-C is deferred until every counted root has reached a thread; if it came,
@@ -606,6 +587,34 @@ class ThreadedEngine(Engine):
         tb: TracebackType | None,
     ) -> None:
         self.shutdown()
+
+
+def _settle(future: BackwardFuture[dict[Edge, Grad]], task: GraphTask,
+            work: _AsyncWork) -> None:
+    """Resolve the future of an asynchronous backward that is over (result, error with
+    the engine hint, or cancelled), outside its nodes (``_outside``), then let the pool
+    count it done: last, so ``shutdown(wait=True)`` returns after every future resolved
+    and its done-callbacks ran."""
+    pool = work.pool
+    resolving = _resolving()
+    resolving.append(pool)  # shutdown(wait=True) from a callback would wait for itself
+    try:
+        with _outside(task):
+            error = task.error
+            if task.was_cancelled:
+                future._set_cancelled()
+            elif error is not None:
+                future.set_exception(_with_hint(error))
+            else:
+                _resolve(future, task)
+    except BaseException as exc:  # a done-callback's SystemExit: all callbacks ran
+        if state.pool is not pool:
+            raise  # a caller's thread (helping, or starting): it gets it
+        _report(exc)  # an engine thread survives it
+    finally:
+        resolving.pop()
+        work.task = None  # the future no longer holds the graph alive
+        pool.task_done()
 
 
 def _with_hint(error: BaseException) -> BaseException:

@@ -143,7 +143,9 @@ def rows(name: str, g: np.ndarray, ans: np.ndarray, axis: int) -> np.ndarray | N
     return out
 
 
-def _compile() -> dict[str, Kernel]:
+# The kernels' loops count as its branches; they are defined here so that numba is
+# imported only once a kernel is first used.
+def _compile() -> dict[str, Kernel]:  # noqa: C901
     """Every kernel, compiled (or loaded from numba's cache)."""
     from numba import njit
 
