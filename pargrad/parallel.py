@@ -173,13 +173,18 @@ class Job:
     def help(self) -> None:
         """Run chunks until none is left (an idle thread that took the job). Never
         raises: a chunk's exception goes to the holder."""
+        self._drain(BaseException)
+
+    def _drain(self, catch: type[BaseException]) -> None:
+        """Claim and run chunks until none is left; a chunk's exception of type
+        ``catch`` becomes ``error`` (the first one) instead of propagating."""
         while (claimed := self._claim()) is not None:
             i, run = claimed
             del claimed
             exc = None
             try:
                 run(i)
-            except BaseException as e:  # to the holder, which raises it
+            except catch as e:
                 exc = e
             del run
             self._finished(exc)
@@ -189,16 +194,7 @@ class Job:
         chunks, and raise the first chunk's exception. An interrupt of the holder skips
         the chunks not yet claimed."""
         try:
-            while (claimed := self._claim()) is not None:
-                i, run = claimed
-                del claimed
-                exc = None
-                try:
-                    run(i)
-                except Exception as e:
-                    exc = e
-                del run
-                self._finished(exc)
+            self._drain(Exception)  # an interrupt propagates: the holder's caller gets it
             with self._lock:
                 while self._running:
                     self._idle.wait()

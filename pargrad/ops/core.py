@@ -146,7 +146,8 @@ class Op:
             return self.argnum_rule(i, g, ans, args, **params)
         return self.rules[i](g, ans, *args, **params)
 
-    def __call__(self, *args: Any, **params: Any) -> Tensor:
+    # The forward's hot path, run for every op: one frame, since a call costs each op.
+    def __call__(self, *args: Any, **params: Any) -> Tensor:  # noqa: C901, PLR0912
         """Run the forward on the arguments' arrays; record a node if a gradient is needed.
 
         The lean path of the common case: operands that are Tensors (not views), arrays
@@ -192,7 +193,8 @@ class Op:
             _refuse_lossy_mix(self.name, args, out.dtype)
         return Tensor._make(out, None, 0, on)
 
-    def outputs(self, *args: Any, **params: Any) -> tuple[Tensor, ...]:
+    # Every unusual operand's case in one place (views, devices, several outputs).
+    def outputs(self, *args: Any, **params: Any) -> tuple[Tensor, ...]:  # noqa: C901
         """Like calling the op, but return every output (for ``multi_output`` ops)."""
         operands = tuple(_operand(a) for a in args)
         arrays = [array_of(a) for a in operands]
@@ -375,7 +377,8 @@ class OpNode(Node):
     __slots__ = ("op", "params", "reads_output", "saved_args", "saved_arrays",
                  "saved_outputs", "saved_versions")
 
-    def __init__(
+    # Made for every recorded op: the node's fields set in one frame (no helper calls).
+    def __init__(  # noqa: PLR0915
         self, op: Op, args: Sequence[Any], arrays: Sequence[Any], params: dict[str, Any],
         outs: tuple[np.ndarray, ...], device: Device,
     ) -> None:
@@ -439,7 +442,8 @@ class OpNode(Node):
         self.saved_versions = ()
         return True
 
-    def apply(self, grads: Sequence[Grad | None], *, retain_graph: bool) -> list[Grad | None]:
+    # Run for every node of a backward: the lean path kept in one frame.
+    def apply(self, grads: Sequence[Grad | None], *, retain_graph: bool) -> list[Grad | None]:  # noqa: C901
         """``Node.apply``, with a lean path for the common case: one output whose gradient
         is a plain array, no hooks, values not freed, no graph of the backward recorded,
         anomaly mode off. The rules run directly, and each gradient that already has its
