@@ -169,11 +169,7 @@ class Op:
             on = CPU
         if grad and out.dtype.kind == "f" and is_grad_enabled():
             node = self.node_type(self, args, arrays, params or NO_PARAMS, (out,), on)
-            result = Tensor._make(out, node, 0, on)
-            if node.reads_output:  # a new tensor no other thread sees: no lock needed
-                counter = result._counter = VersionCounter()
-                node.saved_versions += (-1, counter, 0, out)
-            return result
+            return Tensor._make(out, node, 0, on)  # its counter: OpNode.output_counter
         if grad and out.dtype.kind in LOSSY_KINDS and is_grad_enabled():
             _refuse_lossy_mix(self.name, args, out.dtype)
         return Tensor._make(out, None, 0, on)
@@ -207,8 +203,9 @@ class Op:
                 if _owner(t.data) is owner:  # a view of the source's memory
                     t._counter = counter_of(source)
                     t._view = view_of(source, (self, params, i))
-        if node is not None and node.reads_output:
-            node.saved_versions += saved_versions(tensors, outputs=True)
+        if node is not None and node.reads_output:  # the others': OpNode.output_counter
+            views = [t if t._counter is not None else None for t in tensors]
+            node.saved_versions += saved_versions(views, outputs=True)
         return tensors
 
 
@@ -417,6 +414,25 @@ class OpNode(Node):
 
     def name(self) -> str:
         return self.op.node_name
+
+    def output_counter(self, output_nr: int, array: Any) -> VersionCounter | None:
+        """The version counter of the tensors holding output ``output_nr``, made and
+        recorded at version 0 on first use, if this node saved that output and
+        ``array`` is the array it saved (a tensor given other ``.data``, or a copy made
+        with this history, gets a counter of its own: None). ``versions.counter_of``
+        calls it, under ``versions._lock``, which also guards the record it adds."""
+        outs = self.saved_outputs
+        if not self.reads_output or outs is None or outs[output_nr] is not array:
+            return None
+        where = -1 - output_nr
+        saved = self.saved_versions
+        for k in range(0, len(saved), 4):
+            if saved[k] == where:
+                counter: VersionCounter = saved[k + 1]
+                return counter
+        counter = VersionCounter()
+        self.saved_versions = saved + (where, counter, 0, array)
+        return counter
 
     def _free_saved(self) -> bool:
         if not self.op.needs_values:
