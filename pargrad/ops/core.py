@@ -18,7 +18,7 @@ import dis
 import inspect
 import types
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -27,7 +27,7 @@ from pargrad.devices import CPU, Device, common_device
 from pargrad.grad_mode import is_grad_enabled
 from pargrad.graph import NO_EDGE, BackwardError, Edge, Grad, Meta, Node, next_sequence_nr
 from pargrad.tensor import Tensor, check_saved_data, saved_versions
-from pargrad.versions import Saved, VersionCounter, check, counter_of
+from pargrad.versions import Saved, VersionCounter, check, counter_of, records
 from pargrad.views import refresh, view_of
 
 Rule = Callable[..., Any]
@@ -43,6 +43,15 @@ def nondifferentiable(g: Grad, ans: Any, *args: Any, **params: Any) -> None:
 # is called with Tensors.
 UFUNC_OPS: dict[np.ufunc, Callable[..., Any]] = {}
 FUNCTION_OPS: dict[Callable[..., Any], Callable[..., Any]] = {}
+
+
+class Plan(NamedTuple):
+    """What the gradient rules that will run for one node read."""
+
+    args: tuple[int, ...] | None
+    """The arguments whose values they read, in order (None: maybe any)."""
+    output: bool
+    """Whether they read the output."""
 
 
 class Op:
@@ -103,32 +112,33 @@ class Op:
         self.ruled = len(self.rules) if argnum_rule is None else 1 << 30
         # Per rule: whether it reads the output, and which arguments' values it reads.
         self.reads = tuple(_reads(rule) for rule in self.rules)
-        self._plans: dict[int, tuple[tuple[int, ...] | None, bool]] = {}
+        self._plans: dict[int, Plan] = {}
 
     def __repr__(self) -> str:
         return f"<pargrad op {self.name}>"
 
-    def plan(self, live: int) -> tuple[tuple[int, ...] | None, bool]:
-        """For a node whose arguments with edges are the bits of ``live``: the arguments
-        whose values the rules that will run read (None: all), and whether they read the
-        output. Cached per ``live``; a race only computes one twice."""
+    def plan(self, live: int) -> Plan:
+        """What the rules of a node will read, the node's arguments with edges being the
+        bits of ``live`` (bit ``i``: argument ``i``; a bitmask is the cheapest key to
+        build while the edges are made). Cached per ``live``; a race only computes one
+        twice."""
         plan = self._plans.get(live)
         if plan is None:
             plan = self._plans[live] = self._make_plan(live)
         return plan
 
-    def _make_plan(self, live: int) -> tuple[tuple[int, ...] | None, bool]:
+    def _make_plan(self, live: int) -> Plan:
         if self.argnum_rule is not None:
-            return None, True
+            return Plan(None, True)
         read: set[int] = set()
         output = False
         for i, (reads_output, reads_args) in enumerate(self.reads):
             if live >> i & 1:
                 if reads_args is None:
-                    return None, True
+                    return Plan(None, True)
                 read |= reads_args
                 output = output or reads_output
-        return tuple(sorted(read)), output
+        return Plan(tuple(sorted(read)), output)
 
     def vjp(self, i: int, g: Any, ans: Any, args: tuple[Any, ...], params: dict[str, Any]) -> Any:
         """The gradient for argument ``i``, by its rule."""
@@ -402,8 +412,10 @@ class OpNode(Node):
             self.saved_args: tuple[Any, ...] | None = tuple(args)
             self.saved_arrays: tuple[Any, ...] | None = tuple(arrays)
             self.saved_outputs: tuple[np.ndarray, ...] | None = outs
-            read, self.reads_output = op.plan(live)
-            self.saved_versions: Saved = saved_versions(args, read) if read != () else ()
+            plan = op.plan(live)
+            self.reads_output = plan.output
+            self.saved_versions: Saved = (saved_versions(args, plan.args) if plan.args != ()
+                                          else ())
         else:
             self.saved_args = None
             self.saved_arrays = tuple([ShapeOf(a) if isinstance(a, np.ndarray) else a
@@ -425,13 +437,11 @@ class OpNode(Node):
         if not self.reads_output or outs is None or outs[output_nr] is not array:
             return None
         where = -1 - output_nr
-        saved = self.saved_versions
-        for k in range(0, len(saved), 4):
-            if saved[k] == where:
-                counter: VersionCounter = saved[k + 1]
+        for saved_where, counter, _, _ in records(self.saved_versions):
+            if saved_where == where:
                 return counter
         counter = VersionCounter()
-        self.saved_versions = saved + (where, counter, 0, array)
+        self.saved_versions += (where, counter, 0, array)
         return counter
 
     def _free_saved(self) -> bool:
@@ -492,10 +502,9 @@ class OpNode(Node):
             check_saved_data(self.saved_args, args, "argument")
             args = self.saved_args
             rebuilt = [Tensor._make(o, self, i) for i, o in enumerate(outs)]
-            saved = self.saved_versions
-            for k in range(0, len(saved), 4):  # with the counters of the outputs they are
-                if saved[k] < 0:
-                    rebuilt[-1 - saved[k]]._counter = saved[k + 1]
+            for where, counter, _, _ in records(self.saved_versions):
+                if where < 0:  # with the counters of the outputs they are
+                    rebuilt[-1 - where]._counter = counter
             outs = tuple(rebuilt)
         g = grads if self.op.multi_output else grads[0]
         ans = outs if outs is None or self.op.multi_output else outs[0]
