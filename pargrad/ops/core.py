@@ -50,6 +50,8 @@ class Plan(NamedTuple):
 
     args: tuple[int, ...] | None
     """The arguments whose values they read, in order (None: maybe any)."""
+    mask: int
+    """The same arguments as bits (bit ``i``: argument ``i``; -1: maybe any)."""
     output: bool
     """Whether they read the output."""
 
@@ -129,16 +131,16 @@ class Op:
 
     def _make_plan(self, live: int) -> Plan:
         if self.argnum_rule is not None:
-            return Plan(None, True)
+            return Plan(None, -1, True)
         read: set[int] = set()
         output = False
         for i, (reads_output, reads_args) in enumerate(self.reads):
             if live >> i & 1:
                 if reads_args is None:
-                    return Plan(None, True)
+                    return Plan(None, -1, True)
                 read |= reads_args
                 output = output or reads_output
-        return Plan(tuple(sorted(read)), output)
+        return Plan(tuple(sorted(read)), sum(1 << i for i in read), output)
 
     def vjp(self, i: int, g: Any, ans: Any, args: tuple[Any, ...], params: dict[str, Any]) -> Any:
         """The gradient for argument ``i``, by its rule."""
@@ -239,6 +241,30 @@ def meta_of(array: np.ndarray) -> tuple[Meta]:
             _metas.clear()
         found = _metas[key] = (key,)
     return found
+
+
+# Interned ``_input_meta`` tuples, as ``_metas`` (``(meta, None)`` for an array times a
+# scalar...): one object fewer per node. Cleared past _METAS_MAX entries.
+_input_metas: dict[tuple[Meta | None, ...], tuple[Meta | None, ...]] = {}
+
+
+def metas_of(metas: list[Meta | None]) -> tuple[Meta | None, ...]:
+    """``tuple(metas)``, interned."""
+    key = tuple(metas)
+    found = _input_metas.get(key)
+    if found is None:
+        if len(_input_metas) >= _METAS_MAX:
+            _input_metas.clear()
+        found = _input_metas[key] = key
+    return found
+
+
+_UNREAD = tuple((None,) * n for n in range(8))
+
+
+def unread(n: int) -> tuple[None, ...]:
+    """What a node keeps of ``n`` arguments whose values its rules do not read."""
+    return _UNREAD[n] if n < len(_UNREAD) else (None,) * n
 
 
 LOSSY_KINDS = frozenset("cOSUVMm")
@@ -376,19 +402,22 @@ class OpNode(Node):
         # per op call. Operands that are views were refreshed by ``Op.outputs``.
         edges: list[Edge] = []
         metas: list[Meta | None] = []
-        live = 0
+        live = 0  # bit i: argument i gets a gradient
+        tensors = 0  # bit i: argument i is a Tensor
         cost = 0
         for i, a in enumerate(args):
-            if isinstance(a, Tensor) and a._requires_grad:
-                fn = a.grad_fn
-                edges.append((fn, a.output_nr) if fn is not None else a._edge())
-                array = a.data
-                metas.append(meta_of(array)[0])
-                cost += array.size
-                live |= 1 << i
-            else:
-                edges.append(NO_EDGE)
-                metas.append(None)
+            if isinstance(a, Tensor):
+                tensors |= 1 << i
+                if a._requires_grad:
+                    fn = a.grad_fn
+                    edges.append((fn, a.output_nr) if fn is not None else a._edge())
+                    array = a.data
+                    metas.append(meta_of(array)[0])
+                    cost += array.size
+                    live |= 1 << i
+                    continue
+            edges.append(NO_EDGE)
+            metas.append(None)
         for o in outs:
             cost += o.size
         self.cost = cost
@@ -396,7 +425,7 @@ class OpNode(Node):
             missing = next(i for i in range(op.ruled, len(args)) if live >> i & 1)
             raise TypeError(f"{op.name}: no gradient rule for argument {missing}")
         self.next_functions = tuple(edges)
-        self._input_meta = tuple(metas)
+        self._input_meta = metas_of(metas)
         self._output_meta = (meta_of(outs[0]) if len(outs) == 1
                              else tuple([(o.shape, o.dtype) for o in outs]))
         self._released = False
@@ -406,16 +435,21 @@ class OpNode(Node):
         self._forward_trace = anomaly.forward_trace() if anomaly.mode.enabled else None
         self.op = op
         self.params = params
-        # The versions of the tensors whose values the rules that will run read:
-        # arguments now, outputs (Op.outputs) once their tensors exist.
         if op.needs_values:
-            self.saved_args: tuple[Any, ...] | None = tuple(args)
-            self.saved_arrays: tuple[Any, ...] | None = tuple(arrays)
-            self.saved_outputs: tuple[np.ndarray, ...] | None = outs
+            # Only what the rules that will run read, and the versions of the Tensors
+            # among it: arguments' now, outputs' once their tensors need counters
+            # (output_counter). Arguments they do not read are kept as None.
             plan = op.plan(live)
             self.reads_output = plan.output
-            self.saved_versions: Saved = (saved_versions(args, plan.args) if plan.args != ()
-                                          else ())
+            self.saved_outputs: tuple[np.ndarray, ...] | None = outs if plan.output else None
+            if plan.mask & tensors:  # the values of Tensors: the arrays apart
+                self.saved_args: tuple[Any, ...] | None = tuple(args)
+                self.saved_arrays: tuple[Any, ...] | None = tuple(arrays)
+                self.saved_versions: Saved = saved_versions(args, plan.args)
+            else:  # scalars and plain arrays at most, each its own array
+                self.saved_args = self.saved_arrays = (tuple(arrays) if plan.mask
+                                                       else unread(len(arrays)))
+                self.saved_versions = ()
         else:
             self.saved_args = None
             self.saved_arrays = tuple([ShapeOf(a) if isinstance(a, np.ndarray) else a
@@ -496,16 +530,17 @@ class OpNode(Node):
             check(self.name(), self.saved_versions)
         args: tuple[Any, ...] = self.saved_arrays
         outs: tuple[Any, ...] | None = self.saved_outputs
-        if self.saved_args is not None and outs is not None and is_grad_enabled():
+        if self.saved_args is not None and is_grad_enabled():
             # Recording a graph of this backward: differentiate through the saved
             # Tensors themselves, and through outputs rebuilt around this very node.
             check_saved_data(self.saved_args, args, "argument")
             args = self.saved_args
-            rebuilt = [Tensor._make(o, self, i) for i, o in enumerate(outs)]
-            for where, counter, _, _ in records(self.saved_versions):
-                if where < 0:  # with the counters of the outputs they are
-                    rebuilt[-1 - where]._counter = counter
-            outs = tuple(rebuilt)
+            if outs is not None:
+                rebuilt = [Tensor._make(o, self, i) for i, o in enumerate(outs)]
+                for where, counter, _, _ in records(self.saved_versions):
+                    if where < 0:  # with the counters of the outputs they are
+                        rebuilt[-1 - where]._counter = counter
+                outs = tuple(rebuilt)
         g = grads if self.op.multi_output else grads[0]
         ans = outs if outs is None or self.op.multi_output else outs[0]
         return [
