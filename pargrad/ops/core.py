@@ -505,7 +505,7 @@ class OpNode(Node):
         g = grads[0]
         args = self.saved_arrays
         if (type(g) is not np.ndarray or self._hooks is not None or args is None
-                or self.op.multi_output or anomaly.mode.enabled or is_grad_enabled()):
+                or self.op.multi_output or anomaly.mode.enabled or grad_mode.mode.enabled):
             return Node.apply(self, grads, retain_graph=retain_graph)
         if self.saved_versions:
             check(self.op.node_name, self.saved_versions)
@@ -521,9 +521,11 @@ class OpNode(Node):
                     results.append(None)
                     continue
                 r = (op.vjp(i, g, ans, args, params) if rules is None
-                     else rules[i](g, ans, *args, **params))
+                     else rules[i](g, ans, *args, **params) if params
+                     else rules[i](g, ans, *args))
                 fits = fits and (type(r) is np.ndarray and r.shape == meta[0]  # type: ignore[index]
-                                 and r.dtype == meta[1])  # type: ignore[index]
+                                 and (r.dtype is meta[1]  # type: ignore[index]
+                                      or r.dtype == meta[1]))  # type: ignore[index]
                 results.append(r)
         except BackwardError:
             raise
