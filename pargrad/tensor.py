@@ -246,8 +246,6 @@ class Tensor:
         hooks = None if self.grad_fn is None else self.grad_fn._hooks
         if hooks is not None and self.output_nr in hooks.retains:
             hooks.release(self.output_nr)
-        if self.grad_fn is not None:  # the counter its node would share, while it can
-            counter_of(self)
         self.grad_fn, self.output_nr = None, 0
         self._requires_grad = False
         return self

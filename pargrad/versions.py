@@ -7,13 +7,6 @@ change through any of them is seen by all. A node that saves tensors for its bac
 records their versions (``tensor.saved_versions``) and calls ``check`` before it reads
 the saved values.
 
-A node that saves its own output (``tanh``, ``exp``) records no counter when it is made:
-the output is new, at version 0, and most outputs are never changed in place. The first
-time a counter is needed for a tensor holding that output (``counter_of``: an in-place
-change, a view, ``detach``, a node saving it), the node makes it and records it, at
-version 0 (``OpNode.output_counter``); every later tensor of that output gets the same
-counter. Until then no change can have happened: a change needs the counter.
-
 The counters are not locked (their lazy creation aside): a counter changes only when the
 tensor's memory is written, and writing a tensor on one thread while another thread
 reads it (a backward included) is a data race on the array itself, which no lock on the
@@ -51,18 +44,13 @@ _lock = threading.Lock()
 def counter_of(tensor: Any) -> VersionCounter:
     """The version counter of ``tensor``, made on first use: most tensors are never
     saved nor changed in place, and a counter for each would only feed the garbage
-    collector. The output of a node that saved it gets the node's (see above)."""
+    collector."""
     counter: VersionCounter | None = tensor._counter
     if counter is None:
         with _lock:
             counter = tensor._counter
             if counter is None:
-                output_counter = getattr(tensor.grad_fn, "output_counter", None)
-                if output_counter is not None:
-                    counter = output_counter(tensor.output_nr, tensor.data)
-                if counter is None:
-                    counter = VersionCounter()
-                tensor._counter = counter
+                counter = tensor._counter = VersionCounter()
     return counter
 
 

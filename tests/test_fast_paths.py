@@ -167,9 +167,8 @@ def _output_changed(x: pargrad.Tensor) -> pargrad.Tensor:
 
 
 def _output_changed_through(how: str) -> Any:
-    """tanh's output changed in place through another tensor of its memory, made after
-    the node (the node made no counter then: the first tensor that needs one shares it
-    with the node, OpNode.output_counter)."""
+    """tanh's output changed in place through another tensor of its memory (made after
+    the node), or after another node saved it."""
     def build(x: pargrad.Tensor) -> pargrad.Tensor:
         y = pargrad.tanh(x * 1.0)
         loss = y.sum()

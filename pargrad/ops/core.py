@@ -182,7 +182,11 @@ class Op:
         if grad and out.dtype.kind == "f" and grad_mode.mode.enabled:
             node = _new(self.node_type)  # OpNode(...) without type.__call__'s dispatch
             node.record(self, args, arrays, params or NO_PARAMS, (out,), on)
-            return Tensor._make(out, node, 0, on)  # its counter: OpNode.output_counter
+            result = Tensor._make(out, node, 0, on)
+            if node.reads_output:  # a new tensor no other thread sees: no lock needed
+                counter = result._counter = VersionCounter()
+                node.saved_versions += (-1, counter, 0, out)
+            return result
         if grad and out.dtype.kind in LOSSY_KINDS and grad_mode.mode.enabled:
             _refuse_lossy_mix(self.name, args, out.dtype)
         return Tensor._make(out, None, 0, on)
@@ -216,9 +220,8 @@ class Op:
                 if _owner(t.data) is owner:  # a view of the source's memory
                     t._counter = counter_of(source)
                     t._view = view_of(source, (self, params, i))
-        if node is not None and node.reads_output:  # the others': OpNode.output_counter
-            views = [t if t._counter is not None else None for t in tensors]
-            node.saved_versions += saved_versions(views, outputs=True)
+        if node is not None and node.reads_output:
+            node.saved_versions += saved_versions(tensors, outputs=True)
         return tensors
 
 
@@ -448,8 +451,8 @@ class OpNode(Node):
         self.params = params
         if op.needs_values:
             # Only what the rules that will run read, and the versions of the Tensors
-            # among it: arguments' now, outputs' once their tensors need counters
-            # (output_counter). Arguments they do not read are kept as None.
+            # among it: arguments' now, outputs' (Op.__call__, Op.outputs) once their
+            # tensors exist. Arguments they do not read are kept as None.
             plan = op.plan(live)
             self.reads_output = plan.output
             self.saved_outputs: tuple[np.ndarray, ...] | None = outs if plan.output else None
@@ -471,23 +474,6 @@ class OpNode(Node):
 
     def name(self) -> str:
         return self.op.node_name
-
-    def output_counter(self, output_nr: int, array: Any) -> VersionCounter | None:
-        """The version counter of the tensors holding output ``output_nr``, made and
-        recorded at version 0 on first use, if this node saved that output and
-        ``array`` is the array it saved (a tensor given other ``.data``, or a copy made
-        with this history, gets a counter of its own: None). ``versions.counter_of``
-        calls it, under ``versions._lock``, which also guards the record it adds."""
-        outs = self.saved_outputs
-        if not self.reads_output or outs is None or outs[output_nr] is not array:
-            return None
-        where = -1 - output_nr
-        for saved_where, counter, _, _ in records(self.saved_versions):
-            if saved_where == where:
-                return counter
-        counter = VersionCounter()
-        self.saved_versions += (where, counter, 0, array)
-        return counter
 
     def _free_saved(self) -> bool:
         if not self.op.needs_values:
