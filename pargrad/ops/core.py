@@ -389,12 +389,12 @@ class ShapeOf:
 class OpNode(Node):
     """The backward node of one op call.
 
-    Saves the arrays of the arguments and outputs as they were in the forward (or only
-    their shapes, for ops that need no values), so replacing a tensor's ``.data`` later
-    does not change its gradient, and the versions of those tensors, so that changing
-    one in place before the backward is an error (pargrad/versions.py). With
-    ``create_graph`` the rules differentiate through the argument Tensors themselves,
-    which must still hold those arrays.
+    Saves the arrays that the rules that will run read (``Op.plan``), arguments and
+    output, as they were in the forward (or only shapes, for ops that need no values),
+    so replacing a tensor's ``.data`` later does not change its gradient, and the
+    versions of those tensors, so that changing one in place before the backward is an
+    error (pargrad/versions.py). With ``create_graph`` the rules differentiate through
+    the argument Tensors themselves, which must still hold those arrays.
     """
 
     __slots__ = ("op", "params", "reads_output", "saved_args", "saved_arrays",
