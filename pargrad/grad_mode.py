@@ -23,22 +23,25 @@ class _State(threading.local):
     enabled = True
 
 
-_local = _State()
+mode = _State()
+"""The calling thread's grad mode. Read ``mode.enabled`` on hot paths (one attribute
+read of a thread-local, without ``is_grad_enabled``'s call); change it only through the
+functions and blocks below."""
 
 
 def is_grad_enabled() -> bool:
     """Return True if operations in the calling thread currently record a graph."""
-    return _local.enabled
+    return mode.enabled
 
 
 def _set_enabled(flag: bool) -> None:
-    _local.enabled = flag
+    mode.enabled = flag
 
 
 def _saved_modes() -> list[bool]:
-    saved: list[bool] | None = getattr(_local, "saved", None)
+    saved: list[bool] | None = getattr(mode, "saved", None)
     if saved is None:
-        saved = _local.saved = []
+        saved = mode.saved = []
     return saved
 
 

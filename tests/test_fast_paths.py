@@ -166,11 +166,34 @@ def _output_changed(x: pargrad.Tensor) -> pargrad.Tensor:
     return loss
 
 
+def _output_changed_through(how: str) -> Any:
+    """tanh's output changed in place through another tensor of its memory (made after
+    the node), or after another node saved it."""
+    def build(x: pargrad.Tensor) -> pargrad.Tensor:
+        y = pargrad.tanh(x * 1.0)
+        loss = y.sum()
+        if how == "saved first":  # another node saves y (and makes the counter)
+            y * x
+        with pargrad.no_grad():
+            if how == "detach":
+                y.detach().add_(1.0)
+            elif how == "view":
+                y[:1].add_(1.0)
+            elif how == "detach_":
+                y.detach_().add_(1.0)
+            else:
+                y.add_(1.0)
+        return loss
+    return build
+
+
 BUILDS = {
     "wrong shape": lambda x: bad_shape(x).sum(),
     "rule raises": lambda x: raising(x).sum(),
     "saved argument changed": _saved_changed,
     "saved output changed": _output_changed,
+    **{f"saved output changed ({how})": _output_changed_through(how)
+       for how in ("detach", "view", "detach_", "saved first")},
 }
 
 
@@ -186,3 +209,5 @@ def test_errors_are_the_same_on_lean_and_general_paths(
     slow = error_of(BUILDS[case], engine)
     assert lean == slow
     assert lean[0] is pargrad.BackwardError
+    if case.startswith("saved output changed"):
+        assert lean[1].startswith("TanhBackward: one of the tensors saved"), lean[1]

@@ -61,18 +61,29 @@ def test_names_shapes_leaves_saved_arrays_and_several_roots() -> None:
     arrows = {(a, b) for a, b, _ in edges}
     assert {("t0", summed), ("t1", tanh), (summed, tanh), (tanh, matmul),
             (matmul, cast)} <= arrows
-    # What each node keeps: tanh its input and output; matmul both arguments and its
-    # output, which is tanh's input (one note, two dashed lines); sum and astype nothing.
+    # What each node keeps, only what its rules read: tanh its output; matmul both
+    # arguments; sum and astype nothing.
     saved = {(labels[a], labels[b].split("\n")[0], role) for a, b, role in edges
              if a.startswith("s")}
     assert saved == {
-        ("saved\n(2,) float32", "TanhBackward", "arg 0"),
         ("saved\n(2,) float32", "TanhBackward", "output 0"),
         ("saved\n(3,) float32", "MatmulBackward", "arg 0"),
         ("saved: a leaf's data\n(3, 2) float32", "MatmulBackward", "arg 1"),
-        ("saved\n(2,) float32", "MatmulBackward", "output 0"),
     }
-    assert len([i for i in labels if i.startswith("s")]) == 4
+    assert len([i for i in labels if i.startswith("s")]) == 3
+
+
+def test_an_array_two_nodes_keep_is_one_note() -> None:
+    x = pargrad.tensor([1.0, 2.0], requires_grad=True)
+    w = pargrad.tensor([3.0, 4.0], requires_grad=True)
+    h = x.tanh()  # tanh keeps its output; multiply keeps its arguments: h's array twice
+    labels, edges = parse(to_dot((h * w).sum()))
+    (tanh,) = by_label(labels, "TanhBackward")
+    (mul,) = by_label(labels, "MultiplyBackward")
+    kept = {(labels[b].split("\n")[0], role): a for a, b, role in edges if a.startswith("s")}
+    assert kept[("TanhBackward", "output 0")] == kept[("MultiplyBackward", "arg 0")]
+    assert kept[("MultiplyBackward", "arg 1")] != kept[("MultiplyBackward", "arg 0")]
+    assert labels[tanh].startswith("TanhBackward") and labels[mul].startswith("MultiplyBackward")
 
 
 def test_multi_output_nodes_label_outputs_and_edges() -> None:

@@ -135,7 +135,7 @@ def _reads_old_value(op: Any, t: Tensor, other: Any) -> bool:
     if not op.needs_values:
         return False
     live = int(t.grad_fn is not None) | int(isinstance(other, Tensor) and other.requires_grad) << 1
-    read, _ = op.plan(live)
+    read = op.plan(live).args
     return read is None or 0 in read
 
 
