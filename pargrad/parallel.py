@@ -2,7 +2,7 @@
 thread that makes the call runs, helped by engine threads that are idle.
 
 ``elementwise(fn, args, params)`` computes ``fn(*args, **params)`` for an elementwise
-``fn`` (a forward or a gradient rule of an op made with ``elementwise=True``) whose array
+``fn`` (a forward or a gradient rule an op names in ``cut=``) whose array
 arguments all have one shape: it runs ``fn`` on one chunk of every argument at a time
 and writes each result into its slice of one output array. The chunks are a ``Job``;
 the calling thread (the holder) offers it to the threads that wait idle for work on its
@@ -39,7 +39,7 @@ import numpy as np
 Offer = Callable[["Job", int], int]
 """Hands a job to up to ``count`` idle threads; returns how many took it."""
 
-_min_elements = 1 << 17
+_min_elements = 1 << 19
 _chunk_elements = 1 << 16
 _helpers_finder: Callable[[], Offer | None] = lambda: None
 
@@ -109,8 +109,13 @@ def elementwise(fn: Callable[..., Any], args: Sequence[Any],
     out[:chunk] = first
     del first
 
-    def run(i: int) -> None:
-        out[i * chunk:(i + 1) * chunk] = part(i)
+    if isinstance(fn, np.ufunc) and fn.nout == 1 and not params:
+        def run(i: int) -> None:  # the ufunc writes its chunk in place: no copy
+            piece = slice(i * chunk, (i + 1) * chunk)
+            fn(*[a if f is None else f[piece] for a, f in zip(args, flat)], out=out[piece])
+    else:
+        def run(i: int) -> None:
+            out[i * chunk:(i + 1) * chunk] = part(i)
 
     count = -(-size // chunk)
     job = Job(run, count, first=1)
@@ -132,6 +137,26 @@ def _common_shape(args: Sequence[Any]) -> tuple[int, ...] | None:
             if not a.flags.c_contiguous or a.dtype.hasobject:
                 return None
     return shape
+
+
+def for_chunks(size: int, body: Callable[[slice], None], minimum: int | None = None) -> bool:
+    """Run ``body(piece)`` for every chunk ``piece`` of ``range(size)``, helped by idle
+    threads (a kernel that writes each chunk of its output in place, e.g. a numba
+    kernel that releases the GIL); return True. Return False, having run nothing, where
+    a cut would not pay: fewer than ``minimum`` elements (default ``min_elements``; a
+    kernel that only streams memory gains later), or no thread could help. ``body``
+    must write only its own piece."""
+    chunk = _chunk_elements
+    if size < (_min_elements if minimum is None else minimum) or size <= chunk:
+        return False
+    offer = _helpers_finder()
+    if offer is None:
+        return False
+    count = -(-size // chunk)
+    job = Job(lambda i: body(slice(i * chunk, (i + 1) * chunk)), count)
+    offer(job, count - 1)  # the holder runs one chunk at least: offer the others
+    job.run_here()
+    return True
 
 
 class Job:

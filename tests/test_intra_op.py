@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 import pargrad
 from pargrad import parallel
 from pargrad.engine.ready_queue import ReadyQueue
+from pargrad.ops import fused
 from pargrad.ops.core import defop
 
 MIN, CHUNK = 48, 16
@@ -143,7 +144,7 @@ def recording_op(threads: set[str], pause: float = 0.0) -> Any:
         threads.add(threading.current_thread().name)
         time.sleep(pause)
         return x * 2.0
-    return defop("recorded", forward, lambda g, ans, x: g * 2.0, elementwise=True)
+    return defop("recorded", forward, lambda g, ans, x: g * 2.0, cut=("forward", 0))
 
 
 @pytest.mark.timeout(60)
@@ -232,7 +233,7 @@ def test_a_failing_chunked_rule_fails_the_backward_and_names_its_node(small_chun
             raise FloatingPointError("bad chunk")
         return g * 2.0
 
-    op = defop("fragile", lambda x: x * 2.0, rule, elementwise=True)
+    op = defop("fragile", lambda x: x * 2.0, rule, cut=("forward", 0))
     for engine in ENGINES[:3]:
         x = pargrad.tensor(np.zeros(8 * CHUNK), requires_grad=True)
         y = op(x)
@@ -254,3 +255,20 @@ def test_chunked_backward_on_a_deep_chain_keeps_the_workers_alive(small_chunks: 
             h.sum().backward(engine=engine)
             assert x.grad is not None
         assert all(t.is_alive() for t in engine.threads())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not fused.available(), reason="numba is not installed")
+@pytest.mark.parametrize("name", ["tanh_backward", "sigmoid_backward", "relu_backward"])
+def test_fused_kernels_in_chunks_write_the_same_bits(
+        name: str, small_chunks: None, helped: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(5)
+    g, other = rng.standard_normal(7 * CHUNK + 5), rng.standard_normal(7 * CHUNK + 5)
+    whole = fused.elementwise(name, g, other)  # STREAMING_MIN is far above this size
+    assert whole is not None
+    made = CountedJob.made
+    monkeypatch.setattr(fused, "STREAMING_MIN", MIN)
+    cut = fused.elementwise(name, g, other)
+    assert CountedJob.made == made + 1
+    assert cut is not None
+    np.testing.assert_array_equal(cut, whole, strict=True)

@@ -75,10 +75,13 @@ class Op:
     ``calls_blas=True`` (matmul) says that the rules run BLAS, which uses threads of its
     own; its nodes tell the engine so (``Node.calls_blas``).
 
-    ``elementwise=True`` says that the forward and every rule compute each element of
-    their result from the same element of each array argument (and from scalars): on
-    large arrays of one shape they then run in chunks that idle engine threads help with
-    (pargrad/parallel.py), with bitwise the same result.
+    ``cut`` names the parts of the op (``"forward"``, rule indices) that compute each
+    element of their result from the same element of each array argument (and from
+    scalars), and cost enough per element (transcendental functions, divisions) to be
+    worth cutting: on large arrays of one shape they run in chunks that idle engine
+    threads help with (pargrad/parallel.py), with bitwise the same result. Arithmetic
+    that only streams memory (``g * y``, ``x + y``) is left whole: cut, it measured
+    0.4-1.0x (docs/performance.md).
 
     ``view=True`` (reshape, basic indexing, transpose...) says that the forward may
     return a view of its first argument's memory: an output that is one shares that
@@ -100,7 +103,7 @@ class Op:
         moves_device: bool = False,
         calls_blas: bool = False,
         view: bool = False,
-        elementwise: bool = False,
+        cut: tuple[str | int, ...] = (),
         doc: str | None = None,
     ) -> None:
         self.__doc__ = doc or f"The differentiable numpy ``{name}``."
@@ -117,9 +120,10 @@ class Op:
         # Calls of a single-output op that neither views nor moves take ``__call__``'s
         # lean path; the others (and unusual operands) take ``outputs``.
         self.lean = not (multi_output or view or moves_device or argnum_rule is not None)
-        # The forward and every rule compute each element from the same element of the
-        # arguments: on large arrays of one shape they run in chunks (pargrad/parallel.py).
-        self.elementwise = elementwise and self.lean
+        # The parts that run in chunks on large arrays of one shape (pargrad/parallel.py).
+        self.cut_forward = "forward" in cut and self.lean
+        self.cut_rules = frozenset(i for i in cut if isinstance(i, int)) if self.lean else (
+            frozenset())
         # Arguments from this index on have no rule (none for variadic ops).
         self.ruled = len(self.rules) if argnum_rule is None else 1 << 30
         # Per rule: whether it reads the output, and which arguments' values it reads.
@@ -184,7 +188,7 @@ class Op:
                 arrays.append(a)
         try:
             out = None
-            if self.elementwise and large(arrays):  # in chunks, helped by idle threads
+            if self.cut_forward and large(arrays):  # in chunks, helped by idle threads
                 out = elementwise(self.forward, arrays, params)
             if out is None:
                 out = self.forward(*arrays, **params)
@@ -516,7 +520,8 @@ class OpNode(Node):
         op, params, outs = self.op, self.params, self.saved_outputs
         ans = None if outs is None else outs[0]
         rules = op.rules if op.argnum_rule is None else None
-        chunked = op.elementwise and large(grads)  # in chunks, helped by idle threads
+        cut = op.cut_rules
+        chunked = bool(cut) and large(grads)  # in chunks, helped by idle threads
         results: list[Grad | None] = []
         fits = True
         try:
@@ -526,7 +531,7 @@ class OpNode(Node):
                     results.append(None)
                     continue
                 r = None
-                if chunked:
+                if chunked and i in cut:
                     assert rules is not None
                     r = elementwise(rules[i], (g, ans, *args), params)
                 if r is None:
@@ -584,7 +589,7 @@ def defop(name: str, forward: Callable[..., Any], *rules: Rule, **options: Any) 
 
     An op whose forward is a numpy ufunc also serves that ufunc called on Tensors.
     Options: ``argnum_rule``, ``multi_output``, ``needs_values``, ``calls_blas``, ``view``,
-    ``elementwise``, ``doc`` (see ``Op``).
+    ``cut``, ``doc`` (see ``Op``).
     """
     op = Op(name, forward, rules, **options)
     if isinstance(forward, np.ufunc):

@@ -2,6 +2,11 @@
 
 Broadcasting needs no care here: ``Node.apply`` sums each gradient back to its input's
 shape and casts it to its input's dtype.
+
+``cut=`` marks the forwards and rules that cost enough per element (transcendental
+functions, several divisions) to run in chunks on idle threads when their arrays are
+large (pargrad/parallel.py); arithmetic that only streams memory stays whole (measured
+in docs/performance.md, "Intra-op parallelism").
 """
 
 from __future__ import annotations
@@ -23,13 +28,13 @@ from pargrad.tensor import Tensor
 # ----- arithmetic -----
 add = defop("add", np.add,
             lambda g, ans, x, y: g,
-            lambda g, ans, x, y: g, needs_values=False, elementwise=True)
+            lambda g, ans, x, y: g, needs_values=False)
 subtract = defop("subtract", np.subtract,
                  lambda g, ans, x, y: g,
-                 lambda g, ans, x, y: -g, needs_values=False, elementwise=True)
+                 lambda g, ans, x, y: -g, needs_values=False)
 multiply = defop("multiply", np.multiply,
                  lambda g, ans, x, y: g * y,
-                 lambda g, ans, x, y: g * x, elementwise=True)
+                 lambda g, ans, x, y: g * x)
 
 
 def _divide_divisor_rule(g: Any, ans: Any, x: Any, y: Any) -> Any:
@@ -43,9 +48,9 @@ def _divide_divisor_rule(g: Any, ans: Any, x: Any, y: Any) -> Any:
 
 divide = defop("divide", np.divide,
                lambda g, ans, x, y: g / y,
-               _divide_divisor_rule, elementwise=True)
+               _divide_divisor_rule, cut=(1,))
 negative = defop("negative", np.negative,
-                 lambda g, ans, x: -g, needs_values=False, elementwise=True)
+                 lambda g, ans, x: -g, needs_values=False)
 
 
 def _power_base_rule(g: Any, ans: Any, x: Any, y: Any) -> Any:
@@ -58,7 +63,8 @@ def _power_base_rule(g: Any, ans: Any, x: Any, y: Any) -> Any:
 # d(x**y)/dy takes log(x) as 0 at x == 0, so 0**y (y > 0) has gradient 0 in y.
 power = defop("power", np.power,
               _power_base_rule,
-              lambda g, ans, x, y: g * ans * np.log(np.where(x == 0, 1, x)), elementwise=True)
+              lambda g, ans, x, y: g * ans * np.log(np.where(x == 0, 1, x)),
+              cut=("forward", 0, 1))
 
 # ----- exponentials and powers -----
 def _sqrt_rule(g: Any, ans: Any, x: Any) -> Any:
@@ -89,12 +95,12 @@ def _expm1_rule(g: Any, ans: Any, x: Any) -> Any:
     return g * (ans + 1)
 
 
-exp = defop("exp", np.exp, lambda g, ans, x: g * ans, elementwise=True)
-log = defop("log", np.log, lambda g, ans, x: g / x, elementwise=True)
-sqrt = defop("sqrt", np.sqrt, _sqrt_rule, elementwise=True)
-square = defop("square", np.square, _square_rule, elementwise=True)
-log1p = defop("log1p", np.log1p, _log1p_rule, elementwise=True)
-expm1 = defop("expm1", np.expm1, _expm1_rule, elementwise=True)
+exp = defop("exp", np.exp, lambda g, ans, x: g * ans, cut=("forward",))
+log = defop("log", np.log, lambda g, ans, x: g / x, cut=("forward",))
+sqrt = defop("sqrt", np.sqrt, _sqrt_rule)
+square = defop("square", np.square, _square_rule)
+log1p = defop("log1p", np.log1p, _log1p_rule, cut=("forward",))
+expm1 = defop("expm1", np.expm1, _expm1_rule, cut=("forward",))
 
 # ----- piecewise -----
 # abs'(0) is taken as 0, relu'(0) as 0. maximum/minimum split g evenly on ties.
@@ -114,25 +120,25 @@ def _relu_rule(g: Any, ans: Any, x: Any) -> Any:
     return g * (x > 0)
 
 
-abs = defop("absolute", np.absolute, _abs_rule, elementwise=True)
-relu = defop("relu", lambda x: np.maximum(x, 0), _relu_rule, elementwise=True,
+abs = defop("absolute", np.absolute, _abs_rule)
+relu = defop("relu", lambda x: np.maximum(x, 0), _relu_rule,
              doc="max(x, 0), elementwise; its gradient at 0 is taken as 0.")
 maximum = defop("maximum", np.maximum,
                 lambda g, ans, x, y: np.where(x == y, g / 2, g * (x > y)),
-                lambda g, ans, x, y: np.where(x == y, g / 2, g * (y > x)), elementwise=True)
+                lambda g, ans, x, y: np.where(x == y, g / 2, g * (y > x)))
 minimum = defop("minimum", np.minimum,
                 lambda g, ans, x, y: np.where(x == y, g / 2, g * (x < y)),
-                lambda g, ans, x, y: np.where(x == y, g / 2, g * (y < x)), elementwise=True)
+                lambda g, ans, x, y: np.where(x == y, g / 2, g * (y < x)))
 # clip is min(max(x, lo), hi): the gradient goes to x where lo <= x <= hi, else to the
 # bound that was used (hi wherever lo > hi, as numpy then returns hi).
 _clip = defop("clip", np.clip,
               lambda g, ans, x, lo, hi: g * np.logical_and(x >= lo, x <= hi),
               lambda g, ans, x, lo, hi: g * np.logical_and(x < lo, lo <= hi),
-              lambda g, ans, x, lo, hi: g * np.logical_or(x > hi, lo > hi), elementwise=True)
+              lambda g, ans, x, lo, hi: g * np.logical_or(x > hi, lo > hi))
 _where = defop("where", np.where,
                nondifferentiable,
                lambda g, ans, c, x, y: np.where(c, g, 0),
-               lambda g, ans, c, x, y: np.where(c, 0, g), elementwise=True)
+               lambda g, ans, c, x, y: np.where(c, 0, g))
 
 # ----- trigonometric and hyperbolic -----
 def _sin_rule(g: Any, ans: Any, x: Any) -> Any:
@@ -184,14 +190,16 @@ def _softplus_rule(g: Any, ans: Any, x: Any) -> Any:
     return g * (1 + np.tanh(0.5 * x)) * 0.5
 
 
-sin = defop("sin", np.sin, _sin_rule, elementwise=True)
-cos = defop("cos", np.cos, _cos_rule, elementwise=True)
-tanh = defop("tanh", np.tanh, _tanh_rule, elementwise=True)
+sin = defop("sin", np.sin, _sin_rule, cut=("forward", 0))
+cos = defop("cos", np.cos, _cos_rule, cut=("forward", 0))
+tanh = defop("tanh", np.tanh, _tanh_rule, cut=("forward",))
 # 0.5 * (1 + tanh(x / 2)) is sigmoid without overflow for large |x|.
 sigmoid = defop("sigmoid", lambda x: 0.5 * (1 + np.tanh(0.5 * x)), _sigmoid_rule,
-                elementwise=True, doc="1 / (1 + exp(-x)), elementwise, without overflow.")
+                cut=("forward",),
+                doc="1 / (1 + exp(-x)), elementwise, without overflow.")
 softplus = defop("softplus", lambda x: np.logaddexp(0, x), _softplus_rule,
-                 elementwise=True, doc="log(1 + exp(x)), elementwise, without overflow.")
+                 cut=("forward", 0),
+                 doc="log(1 + exp(x)), elementwise, without overflow.")
 
 # ----- copies and dtype -----
 copy = defop("copy", lambda x: np.array(x, copy=True), lambda g, ans, x: g,
