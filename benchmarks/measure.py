@@ -57,10 +57,12 @@ def measure(trials: dict[str, Trial], repeats: int, warmup: int,
     return samples
 
 
-def peak_backward_bytes(trial: Trial, repeats: int) -> int:
-    """The largest peak of memory allocated during the backward, above what was
-    allocated when it started, over ``repeats`` untimed runs."""
-    peaks = []
+def peak_backward_bytes(trial: Trial, repeats: int) -> tuple[int, int]:
+    """Over ``repeats`` untimed runs, the largest peak of memory allocated during the
+    backward above what was allocated when it started, and the largest peak itself
+    (what the forward's graph held plus that): the first compares engines on one tree,
+    the second two trees, whose graphs may hold different amounts after the forward."""
+    peaks, absolute = [], []
     for _ in range(repeats):
         gc.collect()
         tracemalloc.start()
@@ -75,7 +77,8 @@ def peak_backward_bytes(trial: Trial, repeats: int) -> int:
             tracemalloc.stop()
         del state, grad
         peaks.append(peak - base)
-    return max(peaks)
+        absolute.append(peak)
+    return max(peaks), max(absolute)
 
 
 def summary(values: Iterable[float]) -> dict[str, Any]:

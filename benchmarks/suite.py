@@ -207,7 +207,7 @@ def run_workload(workload: Workload, made: Contenders, s: Settings) -> dict[str,
                    workload.name)
     try:
         samples = measure(trials, repeats, s.warmup, bar.update)
-        memory = {}
+        memory: dict[str, tuple[int, int]] = {}
         for name in measured:
             memory[name] = peak_backward_bytes(trials[name], s.memory_repeats)
             bar.update(s.memory_repeats)
@@ -219,7 +219,8 @@ def run_workload(workload: Workload, made: Contenders, s: Settings) -> dict[str,
         figures[name] = {"kind": kinds[name], "fused": trials[name].fused,
                          "forward": summary(times["forward"]),
                          "backward": summary(times["backward"]), "total": summary(totals),
-                         "peak_backward_bytes": memory.get(name)}
+                         "peak_backward_bytes": memory[name][0] if name in memory else None,
+                         "peak_bytes": memory[name][1] if name in memory else None}
     return {"name": workload.name, "description": workload.description,
             "nodes": workload.nodes(), "width": workload.width,
             "repeats": repeats, "contenders": figures, "skipped_peers": skipped,

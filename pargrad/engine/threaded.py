@@ -65,7 +65,7 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
 
-from pargrad import anomaly
+from pargrad.anomaly import set_detect_anomaly
 from pargrad.devices import CPU, Device, available_cores
 from pargrad.devices import device as as_device
 from pargrad.engine import blas
@@ -87,7 +87,7 @@ from pargrad.engine.ready_queue import ReadyQueue
 from pargrad.engine.sequential import run_graph
 from pargrad.engine.trace import Counters, Statistics, Trace, recording
 from pargrad.futures import BackwardFuture
-from pargrad.grad_mode import _set_enabled, is_grad_enabled
+from pargrad.grad_mode import set_grad_enabled
 from pargrad.graph import (
     AccumulateGrad,
     BackwardError,
@@ -156,14 +156,10 @@ def _outside(task: GraphTask) -> Iterator[None]:
     if popped:
         running.pop()
         engine = engines.pop()
-    previous_mode, previous_anomaly = is_grad_enabled(), anomaly.current_mode()
-    _set_enabled(True)
-    anomaly.set_mode((anomaly._Mode.enabled, anomaly._Mode.check_nan))  # the defaults
     try:
-        yield
+        with set_grad_enabled(True), set_detect_anomaly(False):  # a fresh thread's modes
+            yield
     finally:
-        _set_enabled(previous_mode)
-        anomaly.set_mode(previous_anomaly)
         if popped:
             engines.append(engine)
             running.append(task)
@@ -527,7 +523,6 @@ class ThreadedEngine(Engine):
         is over (``on_done`` called) when this returns."""
         pool = self._pool
         pool.task_started(nested=nested)  # raises after shutdown
-        previous_mode = is_grad_enabled()
         task: GraphTask | None = None
         try:
             task = GraphTask(request, deterministic=self.deterministic,
@@ -536,19 +531,17 @@ class ThreadedEngine(Engine):
                              engine=self, on_done=on_done, parent=parent, counted=counted)
             if work is not None:
                 work.task = task
-            _set_enabled(request.create_graph)
-            try:
-                return task, task.start()
-            except Exception as exc:
-                task.fail(exc)
-                task.finish([], finished=0)  # nothing was counted: the task is over
-                return task, []
+            with set_grad_enabled(request.create_graph):  # the roots' hooks may record
+                try:
+                    return task, task.start()
+                except Exception as exc:
+                    task.fail(exc)
+                    task.finish([], finished=0)  # nothing was counted: the task is over
+                    return task, []
         except BaseException:
             if task is None or not task.done.is_set():  # else on_done counted it already
                 pool.task_done()  # nothing of the task was published
             raise
-        finally:
-            _set_enabled(previous_mode)
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop the workers; later backward calls on this engine raise RuntimeError.
