@@ -103,8 +103,8 @@ def ratios(workload: dict[str, Any], cores: int, default: str) -> dict[str, floa
 EXPECTED: list[tuple[str, str, str]] = [
     (r"tiny-chain|random-dag:\d+",
      r".* / fastest torch, (?:backward per node|forward\+backward per op)",
-     "Python's cost per recorded op and per node (a Node, a Tensor and about ten objects "
-     "the garbage collector tracks, per op) against PyTorch's C++"),
+     "Python's cost per recorded op and per node (a Node, a Tensor and the rest of a "
+     "recorded op: five objects for the garbage collector to track) against PyTorch's C++"),
     ("tiny-chain", r".* / hips, forward\+backward per op",
      "the same per-op Python cost; pargrad is below HIPS autograd's, not at 0.6 of it"),
     ("wide-matmul|wide-elementwise|fan-in", r"largest threaded peak memory / sequential .*",
