@@ -118,24 +118,30 @@ def elementwise(fn: Callable[..., Any], args: Sequence[Any],
             out[i * chunk:(i + 1) * chunk] = part(i)
 
     count = -(-size // chunk)
-    job = Job(run, count, first=1)
-    offer(job, count - 2)  # the holder runs one chunk at least: offer the others
-    job.run_here()
+    Job(run, count, first=1).run_here(offer, count - 2)  # the holder runs one at least
     return out.reshape(shape)
+
+
+_SCALARS = (int, float, complex, bool, np.generic, type(None))
 
 
 def _common_shape(args: Sequence[Any]) -> tuple[int, ...] | None:
     """The one shape of the array arguments (0-d arrays and scalars aside), if they are
-    all C-contiguous numbers; else None."""
+    all C-contiguous numbers; else None. Anything else (an ndarray subclass, a memmap, a
+    masked array, another array-like) is not cut: a chunk would get all of it."""
     shape: tuple[int, ...] | None = None
     for a in args:
-        if type(a) is np.ndarray and a.ndim:
+        if type(a) is np.ndarray:
+            if not a.ndim:
+                continue
             if shape is None:
                 shape = a.shape
             elif a.shape != shape:
                 return None
             if not a.flags.c_contiguous or a.dtype.hasobject:
                 return None
+        elif not isinstance(a, _SCALARS):
+            return None
     return shape
 
 
@@ -154,8 +160,7 @@ def for_chunks(size: int, body: Callable[[slice], None], minimum: int | None = N
         return False
     count = -(-size // chunk)
     job = Job(lambda i: body(slice(i * chunk, (i + 1) * chunk)), count)
-    offer(job, count - 1)  # the holder runs one chunk at least: offer the others
-    job.run_here()
+    job.run_here(offer, count - 1)  # the holder runs one chunk at least
     return True
 
 
@@ -164,7 +169,8 @@ class Job:
     holder (``run_here``) and by idle threads that took the job from a ReadyQueue
     (``help``)."""
 
-    __slots__ = ("_count", "_idle", "_lock", "_next", "_run", "_running", "error")
+    __slots__ = ("_count", "_errstate", "_idle", "_lock", "_next", "_run", "_running",
+                 "error")
 
     def __init__(self, run: Callable[[int], None], count: int, first: int = 0) -> None:
         # Guards _next, _running, error and _run (the closure over the arrays).
@@ -176,6 +182,15 @@ class Job:
         self._next = first  # the next chunk to claim
         self._running = 0  # chunks claimed and not finished
         self.error: BaseException | None = None  # the first chunk's exception
+        # The holder's numpy error state (np.errstate is per thread): helpers run their
+        # chunks under it, so a chunk raises, warns or ignores as the unchunked call would.
+        self._errstate = np.geterr()
+
+    @property
+    def finished(self) -> bool:
+        """Whether the call is over (its holder returned): a helper that takes the job
+        now runs nothing."""
+        return self._run is None
 
     def _claim(self) -> tuple[int, Callable[[int], None]] | None:
         with self._lock:
@@ -195,15 +210,20 @@ class Job:
             if self._running == 0:
                 self._idle.notify_all()
 
-    def help(self) -> None:
-        """Run chunks until none is left (an idle thread that took the job). Never
-        raises: a chunk's exception goes to the holder."""
-        self._drain(BaseException)
+    def help(self, stop: Callable[[], bool] | None = None) -> None:
+        """Run chunks until none is left, or until ``stop()`` says to (checked between
+        chunks: the holder runs what is left). For an idle thread that took the job; it
+        runs them under the holder's numpy error state. Never raises: a chunk's
+        exception goes to the holder. (A warning a chunk issues is issued on this
+        thread, not the holder's.)"""
+        with np.errstate(**self._errstate):
+            self._drain(BaseException, stop)
 
-    def _drain(self, catch: type[BaseException]) -> None:
-        """Claim and run chunks until none is left; a chunk's exception of type
-        ``catch`` becomes ``error`` (the first one) instead of propagating."""
-        while (claimed := self._claim()) is not None:
+    def _drain(self, catch: type[BaseException],
+               stop: Callable[[], bool] | None = None) -> None:
+        """Claim and run chunks until none is left (or ``stop()``); a chunk's exception of
+        type ``catch`` becomes ``error`` (the first one) instead of propagating."""
+        while (stop is None or not stop()) and (claimed := self._claim()) is not None:
             i, run = claimed
             del claimed
             exc = None
@@ -214,11 +234,14 @@ class Job:
             del run
             self._finished(exc)
 
-    def run_here(self) -> None:
-        """The holder's part: run chunks until none is left, wait for the helpers'
-        chunks, and raise the first chunk's exception. An interrupt of the holder skips
-        the chunks not yet claimed."""
+    def run_here(self, offer: Offer, count: int) -> None:
+        """The holder's part: offer the job to up to ``count`` idle threads, run chunks
+        until none is left, wait for the helpers' chunks, and raise the first chunk's
+        exception. An interrupt of the holder (from the offer on) skips the chunks not
+        yet claimed and lets the job's arrays go."""
         try:
+            if count > 0:
+                offer(self, count)
             self._drain(Exception)  # an interrupt propagates: the holder's caller gets it
             with self._lock:
                 while self._running:
@@ -229,5 +252,6 @@ class Job:
                 self._next = self._count
                 self._run = None
             raise
-        if self.error is not None:
-            raise self.error
+        error, self.error = self.error, None  # its traceback holds the chunk's arrays
+        if error is not None:
+            raise error

@@ -272,3 +272,50 @@ def test_fused_kernels_in_chunks_write_the_same_bits(
     assert CountedJob.made == made + 1
     assert cut is not None
     np.testing.assert_array_equal(cut, whole, strict=True)
+
+
+# ----- what a chunk inherits from the call, and what is never cut -----
+
+@pytest.mark.timeout(60)
+def test_helpers_run_chunks_under_the_callers_numpy_error_state(
+        small_chunks: None, helped: None) -> None:
+    x = np.ones(40 * CHUNK)
+    x[CHUNK::CHUNK] = 0.0  # a zero in every chunk but the first: whoever runs it divides
+    for _ in range(5):
+        with np.errstate(divide="raise"), pytest.raises(FloatingPointError):
+            pargrad.log(pargrad.tensor(x))
+        with np.errstate(divide="ignore"):
+            out = pargrad.log(pargrad.tensor(x))
+        assert np.isneginf(out.data[CHUNK])
+
+
+def test_array_subclasses_and_array_likes_are_not_cut(small_chunks: None, helped: None) -> None:
+    double = lambda a, b: a * b
+    big = np.ones(4 * CHUNK)
+    assert parallel.elementwise(double, (np.ma.array(big), 2.0), {}) is None
+    assert parallel.elementwise(double, (big, np.ma.array(big)), {}) is None
+    assert parallel.elementwise(double, (big, [2.0] * big.size), {}) is None
+    assert parallel.elementwise(double, (big, np.float32(2.0)), {}) is not None
+    y = np.ma.array(np.full(4 * CHUNK, 2.0))
+    out = pargrad.power(pargrad.tensor(np.full(4 * CHUNK, 2.0)), y)  # a chunk would fail
+    np.testing.assert_array_equal(out.data, 4.0)
+
+
+@pytest.mark.timeout(60)
+def test_a_shut_down_engine_starts_no_threads_for_chunks(small_chunks: None) -> None:
+    engine = pargrad.ThreadedEngine(workers=1)
+    engine.shutdown()
+    assert engine.intra_op_helpers() is None
+    with pargrad.use_engine(engine):
+        pargrad.exp(pargrad.tensor(np.ones(8 * CHUNK)))
+    assert engine.threads() == []
+
+
+def test_an_offer_nobody_took_is_dropped_once_its_call_is_over() -> None:
+    queue: ReadyQueue[str] = ReadyQueue()
+    done = parallel.Job(lambda i: None, 0)
+    done.run_here(lambda job, count: 0, 0)
+    assert done.finished
+    queue._offers.append(done)  # as a waiter that found its stop set would leave it
+    assert queue.offer(parallel.Job(lambda i: None, 2), 1) == 0  # nobody waits
+    assert not queue._offers

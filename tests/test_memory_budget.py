@@ -111,3 +111,20 @@ def test_the_budget_is_checked() -> None:
         pargrad.ThreadedEngine(memory_budget=-1)
     with pytest.raises(ValueError, match="memory_budget"):
         pargrad.ThreadedEngine(memory_budget=1.5)  # type: ignore[arg-type]
+
+
+def test_a_budget_of_zero_admits_not_even_an_empty_hand_off() -> None:
+    x = pargrad.tensor(np.ones(3), requires_grad=True)
+    y = (x * 2).sum()
+    engine = pargrad.ThreadedEngine(workers=1, memory_budget=0)
+    task = GraphTask(pargrad.BackwardRequest([y._edge()], [np.float64(1.0)]),
+                     deterministic=False, depth=0, memory_budget=0, engine=engine,
+                     on_done=lambda task: None)
+    assert not task.admit(0)
+    budgeted = GraphTask(pargrad.BackwardRequest([y._edge()], [np.float64(1.0)]),
+                         deterministic=False, depth=0, memory_budget=8, engine=engine,
+                         on_done=lambda task: None)
+    assert budgeted.admit(8) and not budgeted.admit(1)
+    budgeted.release(8)
+    assert budgeted.admit(1)
+    engine.shutdown()

@@ -207,7 +207,7 @@ class GraphTask:
         stripes = min(STRIPES, 1 << max(0, (buffered - 1) // 8).bit_length())
         self._mask = stripes - 1
         self._stripes = tuple(_Stripe() for _ in range(stripes))
-        # Guards _outstanding, _over, _error, _kept.grads and done's event.
+        # Guards _outstanding, _over, _error, _kept.grads, _handed and done's event.
         self._lock = threading.Lock()
         self._outstanding = 0
         # The engine's memory budget (None: none): the bytes of gradients handed to
@@ -334,6 +334,8 @@ class GraphTask:
         budget = self.memory_budget
         if budget is None:
             return True
+        if budget == 0:  # nothing at all, not even a node without array gradients
+            return False
         with self._lock:
             if self._handed + nbytes > budget:
                 return False

@@ -211,7 +211,8 @@ def thread_main(queue: ReadyQueue[NodeTask], at: Device, owner: GraphTask | None
                 return  # closed: queues close only when no task is in flight
             continue
         if isinstance(item, Job):  # chunks of a large elementwise call (pargrad/parallel.py)
-            item.help()
+            item.help(None if owner is None else
+                      lambda: _should_stop(stop, until))  # the holder runs what is left
             del item
             continue
         assert isinstance(item, NodeTask)
@@ -226,6 +227,13 @@ def thread_main(queue: ReadyQueue[NodeTask], at: Device, owner: GraphTask | None
             if item.charged:
                 item.task.release(item.charged)
         del item, node  # hold no graph alive while idle
+
+
+def _should_stop(stop: Flag | None, until: float | None) -> bool:
+    """Whether a thread waiting for a task should stop helping with another call's
+    chunks: the task is done (or a Ctrl-C came), or its deadline passed."""
+    return ((stop is not None and stop.is_set())
+            or (until is not None and time.monotonic() >= until))
 
 
 def run_nodes(task: GraphTask, local: Local, at: Device, *, reraise: bool,

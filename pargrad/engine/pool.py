@@ -60,15 +60,25 @@ class Pool(Generic[T]):
         """The ReadyQueue of the device ``at``; its workers start on first use.
         Thread-safe."""
         with self._lock:
-            found = self._queues.get(at)
-            if found is None:
-                found = self._queues[at] = ReadyQueue()
-                for i in range(self.workers(at)):
-                    thread = threading.Thread(target=self._worker_main, args=(self, at, found),
-                                              name=f"pargrad-{at}-{i}", daemon=True)
-                    thread.start()
-                    self._threads.append(thread)
-            return found
+            return self._queue(at)
+
+    def open_queue(self, at: Device) -> ReadyQueue[T] | None:
+        """``queue(at)``, or None once the pool is shut down (whose workers are leaving,
+        and must not be started again). Thread-safe."""
+        with self._lock:
+            return None if self._closed else self._queue(at)
+
+    def _queue(self, at: Device) -> ReadyQueue[T]:
+        """``queue``'s body; the caller holds ``_lock``."""
+        found = self._queues.get(at)
+        if found is None:
+            found = self._queues[at] = ReadyQueue()
+            for i in range(self.workers(at)):
+                thread = threading.Thread(target=self._worker_main, args=(self, at, found),
+                                          name=f"pargrad-{at}-{i}", daemon=True)
+                thread.start()
+                self._threads.append(thread)
+        return found
 
     def start_helper(self, run: Callable[[], None], name: str) -> None:
         """Start a helper thread that calls ``run`` (a reentrant or asynchronous backward

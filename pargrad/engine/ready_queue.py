@@ -73,6 +73,8 @@ class ReadyQueue(Generic[T]):
         with self._lock:
             while True:
                 if stop is not None and stop.is_set():
+                    if self._offers or self._heap:  # a wake-up meant for work: pass it on
+                        self.not_empty.notify()
                     return None
                 if self._offers:
                     return self._offers.popleft()
@@ -97,10 +99,13 @@ class ReadyQueue(Generic[T]):
 
     def offer(self, job: Job, count: int) -> int:
         """Give ``job`` to at most ``count`` of the threads blocked in ``get`` now (none
-        if work is queued: they are about to take it); return how many were woken for
-        it. A thread that wakes and finds its ``stop`` set leaves the job queued, for the
-        next ``get``: harmless, since a job whose chunks are all done runs nothing."""
+        if work is queued: they are about to take it); return how many entries were
+        queued for them. A thread that wakes and finds its ``stop`` set passes the
+        wake-up on; an entry nobody took is harmless (a finished job runs nothing) and
+        is dropped by the next offer."""
         with self._lock:
+            while self._offers and self._offers[0].finished:
+                self._offers.popleft()
             if self._heap:
                 return 0
             n = min(count, self._waiting - len(self._offers))

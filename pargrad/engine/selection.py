@@ -87,7 +87,11 @@ def current_engine() -> Engine:
 def _intra_op_helpers() -> Offer | None:
     """The idle threads a large elementwise call may offer chunks to: the current
     engine's (pargrad/parallel.py)."""
-    return current_engine().intra_op_helpers()
+    try:
+        engine = current_engine()
+    except ValueError:  # a bad PARGRAD_ENGINE: the next backward says so, not a forward
+        return None
+    return engine.intra_op_helpers()
 
 
 set_helpers_finder(_intra_op_helpers)

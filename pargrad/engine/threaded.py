@@ -316,11 +316,13 @@ class ThreadedEngine(Engine):
 
     def intra_op_helpers(self) -> Offer | None:
         """The ReadyQueue of this thread's device, whose idle threads take offered
-        chunks; None with ``intra_op=False``, on one core, or while a BLAS node runs
-        (BLAS's own threads use the cores then)."""
+        chunks (its workers start if they had not); None with ``intra_op=False``, on one
+        core, while a BLAS node runs (BLAS's own threads use the cores then), or after
+        ``shutdown``."""
         if not self.intra_op or available_cores() < 2 or blas.busy():
             return None
-        return self._pool.queue(home_device(self._pool)).offer
+        queue = self._pool.open_queue(home_device(self._pool))
+        return None if queue is None else queue.offer
 
     def threads(self) -> list[threading.Thread]:
         """The worker threads started so far (workers start when their device first
