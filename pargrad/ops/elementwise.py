@@ -104,11 +104,16 @@ expm1 = defop("expm1", np.expm1, _expm1_rule, cut=("forward",))
 
 # ----- piecewise -----
 # abs'(0) is taken as 0, relu'(0) as 0. maximum/minimum split g evenly on ties.
-def _abs_rule(g: Any, ans: Any, x: Any) -> Any:
+def _g_times(f: Any, g: Any, x: Any) -> Any:
+    """``g * f(x)``: in the one buffer ``f`` makes, on large plain arrays."""
     if g.size >= large.OUT_MIN and large.plain(g, x):
-        out = np.sign(x)
+        out = f(x)
         return np.multiply(g, out, out=out)
-    return g * np.sign(x)
+    return g * f(x)
+
+
+def _abs_rule(g: Any, ans: Any, x: Any) -> Any:
+    return _g_times(np.sign, g, x)
 
 
 def _relu_rule(g: Any, ans: Any, x: Any) -> Any:
@@ -142,10 +147,7 @@ _where = defop("where", np.where,
 
 # ----- trigonometric and hyperbolic -----
 def _sin_rule(g: Any, ans: Any, x: Any) -> Any:
-    if g.size >= large.OUT_MIN and large.plain(g, x):
-        out = np.cos(x)
-        return np.multiply(g, out, out=out)
-    return g * np.cos(x)
+    return _g_times(np.cos, g, x)
 
 
 def _cos_rule(g: Any, ans: Any, x: Any) -> Any:
