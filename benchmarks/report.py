@@ -320,24 +320,25 @@ def load_warning(load: float, cores: int, before: bool) -> str | None:
 
 def print_widths(widths: dict[str, Any]) -> None:
     for name, rows in widths.items():
-        print(f"\n{name} by graph width: backward speed-up over sequential")
-        columns = [c for c in next(iter(rows.values())) if c != SEQUENTIAL]
-        print(f"  {'width':<8}" + "".join(f"{c:>22}" for c in columns))
-        for width, row in rows.items():
-            reference = row[SEQUENTIAL]["median_s"]
-            print(f"  {width:<8}" + "".join(f"{reference / row[c]['median_s']:>22.3f}"
-                                           for c in columns))
+        _print_speedups(f"{name} by graph width", "width", rows, 8, 22)
 
 
 def print_sweep(rows: dict[str, Any]) -> None:
-    print("\nwide-elementwise sweep (branches x depth x elements): backward speed-up over "
-          "sequential")
+    _print_speedups("wide-elementwise sweep (branches x depth x elements)", "shape", rows,
+                    16, 16)
+
+
+def _print_speedups(title: str, label: str, rows: dict[str, Any], first: int,
+                    width: int) -> None:
+    """A table of each contender's backward speed-up over the reference, a row per key
+    of ``rows`` (``label`` heads the column of keys)."""
+    print(f"\n{title}: backward speed-up over sequential")
     columns = [c for c in next(iter(rows.values())) if c != SEQUENTIAL]
-    print(f"  {'shape':<16}" + "".join(f"{c:>16}" for c in columns))
-    for shape, row in rows.items():
+    print(f"  {label:<{first}}" + "".join(f"{c:>{width}}" for c in columns))
+    for key, row in rows.items():
         reference = row[SEQUENTIAL]["median_s"]
-        print(f"  {shape:<16}" + "".join(f"{reference / row[c]['median_s']:>16.3f}"
-                                         for c in columns))
+        print(f"  {key:<{first}}" + "".join(f"{reference / row[c]['median_s']:>{width}.3f}"
+                                           for c in columns))
 
 
 def write_json(path: str, figures: dict[str, Any]) -> None:

@@ -90,12 +90,10 @@ def elementwise(fn: Callable[..., Any], args: Sequence[Any],
     if shape is None:
         return None
     size = int(np.prod(shape))
+    offer = _helpers(size, _min_elements)
+    if offer is None:  # small, or nobody could help: the plain call, as the reference's
+        return None
     chunk = _chunk_elements
-    if size < _min_elements or size <= chunk:
-        return None
-    offer = _helpers_finder()
-    if offer is None:  # nobody could help: the plain call, as the reference engine makes it
-        return None
     flat = [a.reshape(-1) if type(a) is np.ndarray and a.ndim else None for a in args]
 
     def part(i: int) -> Any:
@@ -125,6 +123,15 @@ def elementwise(fn: Callable[..., Any], args: Sequence[Any],
 _SCALARS = (int, float, complex, bool, np.generic, type(None))
 
 
+def _helpers(size: int, minimum: int) -> Offer | None:
+    """Where a call of ``size`` elements may offer its chunks, or None where a cut would
+    not pay: fewer than ``minimum`` elements, one chunk's worth, or no thread that could
+    help (``set_helpers_finder``)."""
+    if size < minimum or size <= _chunk_elements:
+        return None
+    return _helpers_finder()
+
+
 def _common_shape(args: Sequence[Any]) -> tuple[int, ...] | None:
     """The one shape of the array arguments (0-d arrays and scalars aside), if they are
     all C-contiguous numbers; else None. Anything else (an ndarray subclass, a memmap, a
@@ -152,12 +159,10 @@ def for_chunks(size: int, body: Callable[[slice], None], minimum: int | None = N
     a cut would not pay: fewer than ``minimum`` elements (default ``min_elements``; a
     kernel that only streams memory gains later), or no thread could help. ``body``
     must write only its own piece."""
-    chunk = _chunk_elements
-    if size < (_min_elements if minimum is None else minimum) or size <= chunk:
-        return False
-    offer = _helpers_finder()
+    offer = _helpers(size, _min_elements if minimum is None else minimum)
     if offer is None:
         return False
+    chunk = _chunk_elements
     count = -(-size // chunk)
     job = Job(lambda i: body(slice(i * chunk, (i + 1) * chunk)), count)
     job.run_here(offer, count - 1)  # the holder runs one chunk at least

@@ -78,7 +78,8 @@ def in_order_engine(request: pytest.FixtureRequest) -> Iterator[pargrad.Engine]:
 # 150 s on this 2-core machine; 0 turns the rounds off) have gone to race rounds, or if
 # its test took over RACE_SLOW s in the normal run.
 RACE_FILES = {"test_async.py", "test_concurrency.py", "test_threaded.py",
-              "test_engine_lifecycle.py", "test_blas_gate.py", "test_reliability.py"}
+              "test_engine_lifecycle.py", "test_blas_gate.py", "test_reliability.py",
+              "test_intra_op.py", "test_memory_budget.py"}
 RACE_ROUNDS = 10
 RACE_SLOW = 1.0
 _race_round = pytest.StashKey[int]()
