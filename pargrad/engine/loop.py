@@ -396,8 +396,7 @@ def _requeue(engine: Scheduler, task: GraphTask, local: Local) -> None:
     assert not task.serial  # its nodes never reach a ReadyQueue, so never a waiter
     while local:
         _, node, grads = heapq.heappop(local)
-        engine._pool.queue(node.device).put(NodeTask(task, node, grads), task.depth,
-                                            node.sequence_nr)
+        enqueue(engine._pool.queue(node.device), NodeTask(task, node, grads))
 
 
 def _record_ready(records: list[Log], node: Node, task: GraphTask) -> None:
@@ -429,8 +428,7 @@ def schedule(task: GraphTask, runnable: list[Ready], at: Device, local: Local) -
     blas_alone: bool | None = None  # the gate lets one BLAS node run at once (asked once)
     for node, grads in runnable:
         if node.device is not at:
-            pool.queue(node.device).put(NodeTask(task, node, grads), task.depth,
-                                        node.sequence_nr)
+            enqueue(pool.queue(node.device), NodeTask(task, node, grads))
             continue
         if node.calls_blas and blas_alone is None:
             blas_alone = blas.gate_size() <= 1
@@ -456,7 +454,13 @@ def _hand_off(task: GraphTask, expensive: list[Ready], queue: ReadyQueue[NodeTas
         if budgeted and not task.admit(charged):  # over the memory budget: run it here
             heapq.heappush(local, (-node.sequence_nr, node, grads))
             continue
-        queue.put(NodeTask(task, node, grads, charged), task.depth, node.sequence_nr)
+        enqueue(queue, NodeTask(task, node, grads, charged))
+
+
+def enqueue(queue: ReadyQueue[NodeTask], item: NodeTask) -> None:
+    """Put ``item`` on ``queue`` at its priority: a deeper reentrant backward first, then
+    the newer node (``ReadyQueue``'s order)."""
+    queue.put(item, item.task.depth, item.node.sequence_nr)
 
 
 def _nbytes(grads: list[Grad | None]) -> int:
@@ -501,7 +505,7 @@ def _get(queue: ReadyQueue[NodeTask], stop: Flag | None, gate: Gate,
     if gate.pending is not None:
         if isinstance(item, NodeTask):
             assert item.grads is not None
-            queue.put(item, item.task.depth, item.node.sequence_nr)
+            enqueue(queue, item)
         gate.raise_pending()
     return item
 

@@ -150,7 +150,8 @@ def run_graph(roots: Sequence[Edge], grads: Sequence[Grad], counts: dict[Node, l
 
 MAX_REENTRANT_DEPTH = 32
 """Nested backward calls one thread runs on its own stack; a deeper one runs on a new
-thread (the caller waits for it), so that thousands of nested calls fit in no stack."""
+thread (the caller waits for it), so that thousands of nested calls fit in no stack.
+``ThreadedEngine`` uses the same bound before a helper thread takes over."""
 
 class _ThreadState(threading.local):
     """Per-thread state, so no lock: ``depth``, the backward calls nested on this

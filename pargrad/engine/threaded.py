@@ -75,6 +75,7 @@ from pargrad.engine.loop import (
     TaskScope,
     current_task,
     drive,
+    enqueue,
     home_device,
     start_helper,
     state,
@@ -84,7 +85,7 @@ from pargrad.engine.loop import (
 )
 from pargrad.engine.pool import Pool, check_count, default_workers
 from pargrad.engine.ready_queue import ReadyQueue
-from pargrad.engine.sequential import run_graph
+from pargrad.engine.sequential import MAX_REENTRANT_DEPTH, run_graph
 from pargrad.engine.trace import Counters, Statistics, Trace, recording
 from pargrad.futures import BackwardFuture
 from pargrad.grad_mode import set_grad_enabled
@@ -104,8 +105,6 @@ from pargrad.parallel import Offer
 __all__ = ["DEFAULT_HANDOFF_THRESHOLD", "MAX_REENTRANT_DEPTH", "ThreadedEngine",
            "default_workers"]
 
-MAX_REENTRANT_DEPTH = 32
-"""Nested backward calls one thread runs on its own stack before handing off to a helper."""
 
 DEFAULT_HANDOFF_THRESHOLD = 1 << 18
 """Array elements (inputs plus outputs of a node) above which a ready node is offered to
@@ -505,8 +504,7 @@ class ThreadedEngine(Engine):
                     start_helper(pool, task, ready, home, queue, "async")
                 else:
                     for node, gathered in ready:
-                        pool.queue(node.device).put(NodeTask(task, node, gathered),
-                                                    task.depth, node.sequence_nr)
+                        enqueue(pool.queue(node.device), NodeTask(task, node, gathered))
         except BaseException as exc:
             if not isinstance(exc, Exception) and work.task is not None:
                 work.task.cancel()
