@@ -119,6 +119,7 @@ def run_graph(roots: Sequence[Edge], grads: Sequence[Grad], counts: dict[Node, l
             if buffer is None:
                 buffer = buffers[node] = InputBuffer(len(counts[node]))
             buffer.accumulate(output_nr, grad)
+    find, heappush = counts.get, heapq.heappush
     for node in dict.fromkeys(node for node, _ in roots):
         if node in counts and not any(counts[node]):
             heapq.heappush(ready, (-node.sequence_nr, node, buffers.pop(node).take()))
@@ -129,7 +130,7 @@ def run_graph(roots: Sequence[Edge], grads: Sequence[Grad], counts: dict[Node, l
             if hooks is not None:
                 grads_ = node.run_tensor_hooks(grads_)
             sink = isinstance(node, AccumulateGrad) or (must_run is not None and not must_run[node])
-            if sink or node in wanted or (hooks is not None and hooks.retains):
+            if sink or (wanted and node in wanted) or (hooks is not None and hooks.retains):
                 kept.store(kept.select(node, grads_))
             if sink:
                 continue  # its gradients are kept, not used
@@ -144,9 +145,20 @@ def run_graph(roots: Sequence[Edge], grads: Sequence[Grad], counts: dict[Node, l
             raise BackwardError(node.name(), f"{type(exc).__name__}: {exc}") from exc
         del grads_
         for (next_node, input_nr), grad in zip(node.next_functions, outputs):
-            if next_node is not None and next_node in counts:  # else: leads nowhere
-                deliver(next_node, input_nr, grad)  # needed (with inputs)
+            if next_node is None:
+                continue
+            owed = find(next_node)
+            if owed is None:  # leads nowhere needed (with inputs)
+                continue
+            if owed == _ONE and next_node not in buffers:  # deliver's chain case, inline
+                owed[0] = 0
+                heappush(ready, (-next_node.sequence_nr, next_node, [grad]))
+            else:
+                deliver(next_node, input_nr, grad)
 
+
+_ONE = [1]
+"""The counts of a one-output node that one edge still owes a gradient."""
 
 MAX_REENTRANT_DEPTH = 32
 """Nested backward calls one thread runs on its own stack; a deeper one runs on a new

@@ -120,6 +120,8 @@ class Op:
         # Calls of a single-output op that neither views nor moves take ``__call__``'s
         # lean path; the others (and unusual operands) take ``outputs``.
         self.lean = not (multi_output or view or moves_device or argnum_rule is not None)
+        # The rules ``OpNode.apply``'s lean path calls directly (None: it takes Node.apply).
+        self.direct_rules = None if multi_output or argnum_rule is not None else self.rules
         # The parts that run in chunks on large arrays of one shape (pargrad/parallel.py).
         self.cut_forward = "forward" in cut and self.lean
         self.cut_rules = frozenset(i for i in cut if isinstance(i, int)) if self.lean else (
@@ -173,42 +175,46 @@ class Op:
         if not self.lean:
             return self.outputs(*args, **params)[0]
         arrays = []
-        on: Device | None = None
+        device: Device | None = None
         grad = False
         for a in args:
             if isinstance(a, Tensor):
-                if a._view is not None or (on is not None and a._device is not on):
+                if a._view is not None or (device is not None and a._device is not device):
                     return self.outputs(*args, **params)[0]
-                on = a._device
-                grad = grad or a._requires_grad
+                device = a._device
+                if a._requires_grad:
+                    grad = True
                 arrays.append(a.data)
             elif isinstance(a, (list, tuple)):
                 return self.outputs(*args, **params)[0]
             else:
                 arrays.append(a)
         try:
-            out = None
             if self.cut_forward and large(arrays):  # in chunks, helped by idle threads
                 out = elementwise(self.forward, arrays, params)
-            if out is None:
-                out = self.forward(*arrays, **params)
+                if out is None:
+                    out = self.forward(*arrays, **params)
+            else:
+                out = self.forward(*arrays, **params) if params else self.forward(*arrays)
         except (ValueError, IndexError, TypeError) as exc:
             raise _forward_error(self.name, exc, arrays, params) from exc
         if type(out) is not np.ndarray:
             out = np.asarray(out)
-        if on is None:
-            on = CPU
-        if grad and out.dtype.kind == "f" and grad_mode.mode.enabled:
-            node = _new(self.node_type)  # OpNode(...) without type.__call__'s dispatch
-            node.record(self, args, arrays, params or NO_PARAMS, (out,), on)
-            result = Tensor._make(out, node, 0, on)
-            if node.reads_output:  # a new tensor no other thread sees: no lock needed
-                counter = result._counter = VersionCounter()
-                node.saved_versions += (-1, counter, 0, out)
-            return result
-        if grad and out.dtype.kind in LOSSY_KINDS and grad_mode.mode.enabled:
-            _refuse_lossy_mix(self.name, args, out.dtype)
-        return Tensor._make(out, None, 0, on)
+        if device is None:
+            device = CPU
+        if grad and grad_mode.mode.enabled:
+            if out.dtype.kind == "f":
+                node = _new(self.node_type)  # OpNode(...) without type.__call__'s dispatch
+                node.record(self, args, arrays, params or NO_PARAMS, (out,), device)
+                result = _make(Tensor, out, node, 0, device)
+                if node.reads_output:  # a new tensor no other thread sees: no lock needed
+                    counter = result._counter = _new(VersionCounter)
+                    counter.value = 0
+                    node.saved_versions += (-1, counter, 0, out)
+                return result
+            if out.dtype.kind in LOSSY_KINDS:
+                _refuse_lossy_mix(self.name, args, out.dtype)
+        return _make(Tensor, out, None, 0, device)
 
     # Every unusual operand's case in one place (views, devices, several outputs).
     def outputs(self, *args: Any, **params: Any) -> tuple[Tensor, ...]:  # noqa: C901
@@ -246,6 +252,8 @@ class Op:
 
 
 _new = object.__new__
+# Tensor._make(...) without binding the classmethod on every call.
+_make: Callable[..., Tensor] = Tensor._make.__func__  # type: ignore[attr-defined]
 
 NO_PARAMS: dict[str, Any] = {}
 """The parameters of an op called without any: one shared dict, never written."""
@@ -439,30 +447,40 @@ class OpNode(Node):
         metas: list[Meta | None] = []
         live = 0  # bit i: argument i gets a gradient
         tensors = 0  # bit i: argument i is a Tensor
+        bit = 1
         cost = 0
-        for i, a in enumerate(args):
+        found: tuple[Meta] | None = None
+        for a in args:
             if isinstance(a, Tensor):
-                tensors |= 1 << i
+                tensors |= bit
                 if a._requires_grad:
                     fn = a.grad_fn
                     edges.append((fn, a.output_nr) if fn is not None else a._edge())
                     array = a.data
-                    metas.append(meta_of(array)[0])
+                    found = _metas.get((array.shape, array.dtype)) or meta_of(array)
+                    metas.append(found[0])
                     cost += array.size
-                    live |= 1 << i
+                    live |= bit
+                    bit <<= 1
                     continue
             edges.append(NO_EDGE)
             metas.append(None)
-        for o in outs:
-            cost += o.size
-        self.cost = cost
+            bit <<= 1
         if live >> op.ruled:  # fail in the forward, where the call is visible
             missing = next(i for i in range(op.ruled, len(args)) if live >> i & 1)
             raise TypeError(f"{op.name}: no gradient rule for argument {missing}")
         self.next_functions = tuple(edges)
-        self._input_meta = metas_of(metas)
-        self._output_meta = (meta_of(outs[0]) if len(outs) == 1
-                             else tuple([(o.shape, o.dtype) for o in outs]))
+        # One argument: its interned ``(meta,)`` is the tuple of input metadata.
+        self._input_meta = (found if found is not None and live == 1 and bit == 2
+                            else metas_of(metas))
+        if len(outs) == 1:
+            out = outs[0]
+            cost += out.size
+            self._output_meta = _metas.get((out.shape, out.dtype)) or meta_of(out)
+        else:
+            cost += sum(o.size for o in outs)
+            self._output_meta = tuple([(o.shape, o.dtype) for o in outs])
+        self.cost = cost
         self._released = False
         self.device = device
         self.sequence_nr = next_sequence_nr()
@@ -474,7 +492,7 @@ class OpNode(Node):
             # Only what the rules that will run read, and the versions of the Tensors
             # among it: arguments' now, outputs' (Op.__call__, Op.outputs) once their
             # tensors exist. Arguments they do not read are kept as None.
-            plan = op.plan(live)
+            plan = op._plans.get(live) or op.plan(live)
             self.reads_output = plan.output
             self.saved_outputs: tuple[np.ndarray, ...] | None = outs if plan.output else None
             if plan.mask & tensors:  # the values of Tensors: the arrays apart
@@ -504,7 +522,7 @@ class OpNode(Node):
         return True
 
     # Run for every node of a backward: the lean path kept in one frame.
-    def apply(self, grads: Sequence[Grad | None], *, retain_graph: bool) -> list[Grad | None]:  # noqa: C901
+    def apply(self, grads: Sequence[Grad | None], *, retain_graph: bool) -> list[Grad | None]:  # noqa: C901, PLR0915
         """``Node.apply``, with a lean path for the common case: one output whose gradient
         is a plain array, no hooks, values not freed, no graph of the backward recorded,
         anomaly mode off. The rules run directly, and each gradient that already has its
@@ -512,43 +530,50 @@ class OpNode(Node):
         ``Node.apply``'s checks, which raise the errors."""
         g = grads[0]
         args = self.saved_arrays
-        if (type(g) is not np.ndarray or self._hooks is not None or args is None
-                or self.op.multi_output or anomaly.mode.enabled or grad_mode.mode.enabled):
+        op = self.op
+        rules = op.direct_rules
+        if (rules is None or type(g) is not np.ndarray or self._hooks is not None
+                or args is None or anomaly.mode.enabled or grad_mode.mode.enabled):
             return Node.apply(self, grads, retain_graph=retain_graph)
-        if self.saved_versions:
-            check(self.op.node_name, self.saved_versions)
-        op, params, outs = self.op, self.params, self.saved_outputs
+        saved = self.saved_versions
+        if saved and (len(saved) != 4 or saved[1].value != saved[2]):  # one tensor: inline
+            check(op.node_name, saved)
+        outs = self.saved_outputs
         ans = None if outs is None else outs[0]
-        rules = op.rules if op.argnum_rule is None else None
+        params = self.params
         cut = op.cut_rules
         chunked = bool(cut) and large(grads)  # in chunks, helped by idle threads
         results: list[Grad | None] = []
+        metas = self._input_meta
         fits = True
+        i = 0
         try:
-            for i, ((next_node, _), meta) in enumerate(zip(self.next_functions,
-                                                           self._input_meta)):
+            for next_node, _ in self.next_functions:
                 if next_node is None:
                     results.append(None)
+                    i += 1
                     continue
                 r = None
                 if chunked and i in cut:
-                    assert rules is not None
                     r = elementwise(rules[i], (g, ans, *args), params)
                 if r is None:
-                    r = (op.vjp(i, g, ans, args, params) if rules is None
-                         else rules[i](g, ans, *args, **params) if params
-                         else rules[i](g, ans, *args))
-                fits = fits and (type(r) is np.ndarray and r.shape == meta[0]  # type: ignore[index]
-                                 and (r.dtype is meta[1]  # type: ignore[index]
-                                      or r.dtype == meta[1]))  # type: ignore[index]
+                    r = rules[i](g, ans, *args, **params) if params else rules[i](g, ans, *args)
+                if fits:
+                    meta = metas[i]
+                    fits = (type(r) is np.ndarray and r.shape == meta[0]  # type: ignore[index]
+                            and (r.dtype is meta[1]  # type: ignore[index]
+                                 or r.dtype == meta[1]))  # type: ignore[index]
                 results.append(r)
+                i += 1
         except BackwardError:
             raise
         except Exception as exc:
             raise BackwardError(op.node_name, f"{type(exc).__name__}: {exc}") from exc
         if not fits:
             results = self._check(results)
-        if not retain_graph and self._free_saved():
+        if not retain_graph and op.needs_values:  # _free_saved, inline
+            self.saved_args = self.saved_arrays = self.saved_outputs = None
+            self.saved_versions = ()
             self._released = True
         return results
 
