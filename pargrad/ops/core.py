@@ -165,7 +165,7 @@ class Op:
         return self.rules[i](g, ans, *args, **params)
 
     # The forward's hot path, run for every op: one frame, since a call costs each op.
-    def __call__(self, *args: Any, **params: Any) -> Tensor:  # noqa: C901, PLR0912
+    def __call__(self, *args: Any, **params: Any) -> Tensor:  # noqa: C901, PLR0912, PLR0915
         """Run the forward on the arguments' arrays; record a node if a gradient is needed.
 
         The lean path of the common case: operands that are Tensors (not views), arrays
@@ -174,21 +174,32 @@ class Op:
         """
         if not self.lean:
             return self.outputs(*args, **params)[0]
-        arrays = []
-        device: Device | None = None
-        grad = False
-        for a in args:
-            if isinstance(a, Tensor):
-                if a._view is not None or (device is not None and a._device is not device):
-                    return self.outputs(*args, **params)[0]
-                device = a._device
-                if a._requires_grad:
-                    grad = True
-                arrays.append(a.data)
-            elif isinstance(a, (list, tuple)):
+        x: Any = args[0] if args else None
+        # The most common call: one Tensor, alone or followed by a Python scalar.
+        one = type(x) is Tensor and (len(args) == 1 or (
+            len(args) == 2 and (type(args[1]) is float or type(args[1]) is int)))
+        if one:
+            if x._view is not None:
                 return self.outputs(*args, **params)[0]
-            else:
-                arrays.append(a)
+            device: Device | None = x._device
+            grad = x._requires_grad
+            arrays = [x.data, *args[1:]]
+        else:
+            arrays = []
+            device = None
+            grad = False
+            for a in args:
+                if isinstance(a, Tensor):
+                    if a._view is not None or (device is not None and a._device is not device):
+                        return self.outputs(*args, **params)[0]
+                    device = a._device
+                    if a._requires_grad:
+                        grad = True
+                    arrays.append(a.data)
+                elif isinstance(a, (list, tuple)):
+                    return self.outputs(*args, **params)[0]
+                else:
+                    arrays.append(a)
         try:
             if self.cut_forward and large(arrays):  # in chunks, helped by idle threads
                 out = elementwise(self.forward, arrays, params)
@@ -205,7 +216,10 @@ class Op:
         if grad and grad_mode.mode.enabled:
             if out.dtype.kind == "f":
                 node = _new(self.node_type)  # OpNode(...) without type.__call__'s dispatch
-                node.record(self, args, arrays, params or NO_PARAMS, (out,), device)
+                if one:
+                    node.record_one(self, x, args, arrays, params or NO_PARAMS, (out,), device)
+                else:
+                    node.record(self, args, arrays, params or NO_PARAMS, (out,), device)
                 result = _make(Tensor, out, node, 0, device)
                 if node.reads_output:  # a new tensor no other thread sees: no lock needed
                     counter = result._counter = _new(VersionCounter)
@@ -291,6 +305,22 @@ def metas_of(metas: list[Meta | None]) -> tuple[Meta | None, ...]:
             _input_metas.clear()
         found = _input_metas[key] = key
     return found
+
+
+# ``_input_meta`` of an array-and-scalar call (``x * 2.0``) by the array's interned
+# ``(meta,)`` (``OpNode.record_one``), as ``_metas``.
+_and_none: dict[tuple[Meta], tuple[Meta | None, ...]] = {}
+
+
+
+def meta_and_none(found: tuple[Meta]) -> tuple[Meta | None, ...]:
+    """``(meta, None)`` for ``found``, ``(meta,)``; interned."""
+    pair = _and_none.get(found)
+    if pair is None:
+        if len(_and_none) >= _METAS_MAX:
+            _and_none.clear()
+        pair = _and_none[found] = metas_of([found[0], None])
+    return pair
 
 
 _UNREAD = tuple((None,) * n for n in range(8))
@@ -435,7 +465,7 @@ class OpNode(Node):
         self.record(op, args, arrays, params, outs, device)
 
     # Run for every recorded op: the node's fields set in one frame (no helper calls).
-    def record(  # noqa: PLR0915
+    def record(
         self, op: Op, args: Sequence[Any], arrays: Sequence[Any], params: dict[str, Any],
         outs: tuple[np.ndarray, ...], device: Device,
     ) -> None:
@@ -473,6 +503,36 @@ class OpNode(Node):
         # One argument: its interned ``(meta,)`` is the tuple of input metadata.
         self._input_meta = (found if found is not None and live == 1 and bit == 2
                             else metas_of(metas))
+        self._keep(op, args, arrays, params, outs, device, live, tensors, cost)
+
+    def record_one(
+        self, op: Op, x: Tensor, args: tuple[Any, ...], arrays: list[Any],
+        params: dict[str, Any], outs: tuple[np.ndarray], device: Device,
+    ) -> None:
+        """``record`` for the most common call: ``x``, a Tensor that requires grad, alone
+        or followed by one Python scalar (``tanh(x)``, ``x * 2.0``); straight-line code,
+        no loop over the arguments."""
+        fn = x.grad_fn
+        edge = (fn, x.output_nr) if fn is not None else x._edge()
+        array = arrays[0]
+        found = _metas.get((array.shape, array.dtype)) or meta_of(array)
+        if len(args) == 1:
+            self.next_functions = (edge,)
+            self._input_meta = found
+        else:
+            self.next_functions = (edge, NO_EDGE)
+            self._input_meta = _and_none.get(found) or meta_and_none(found)
+            if op.ruled == 0:  # fail in the forward, where the call is visible
+                raise TypeError(f"{op.name}: no gradient rule for argument 0")
+        self._keep(op, args, arrays, params, outs, device, 1, 1, array.size)
+
+    def _keep(
+        self, op: Op, args: Sequence[Any], arrays: Sequence[Any], params: dict[str, Any],
+        outs: tuple[np.ndarray, ...], device: Device, live: int, tensors: int, cost: int,
+    ) -> None:
+        """The rest of ``record``: the outputs' metadata, the node's bookkeeping, and what
+        its rules will read (``live``, ``tensors``: bit i for argument i having an edge,
+        being a Tensor; ``cost``: the arguments' elements with an edge)."""
         if len(outs) == 1:
             out = outs[0]
             cost += out.size
