@@ -22,7 +22,7 @@ from pargrad.devices import device as as_device
 from pargrad.graph import AccumulateGrad, Edge, Meta, Node, set_gradient_view
 from pargrad.hooks import Hook, NodeHooks, RemovableHandle
 from pargrad.numpy_names import numpy_names
-from pargrad.versions import Saved, VersionCounter, counter_of
+from pargrad.versions import Saved, SavedVersion, VersionCounter, counter_of
 from pargrad.views import View, refresh
 
 if TYPE_CHECKING:
@@ -874,12 +874,12 @@ def saved_versions(tensors: Sequence[Any], which: Iterable[int] | None = None, *
                    outputs: bool = False) -> Saved:
     """The versions of the Tensors among ``tensors`` (those at ``which``, or all) now, as
     ``versions.check`` reads them: by index, as outputs with ``outputs=True``."""
-    saved: list[Any] = []
+    saved: list[SavedVersion] = []
     for i in range(len(tensors)) if which is None else which:
         t = tensors[i]
         if isinstance(t, Tensor):
             counter = counter_of(t)
-            saved += (-1 - i if outputs else i, counter, counter.value, t.data)
+            saved.append(SavedVersion(-1 - i if outputs else i, counter, counter.value, t.data))
     return tuple(saved)
 
 

@@ -17,8 +17,7 @@ node runs.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 from pargrad.graph import BackwardError
 
@@ -54,25 +53,23 @@ def counter_of(tensor: Any) -> VersionCounter:
     return counter
 
 
-SavedVersion = tuple[int, VersionCounter, int, Any]
-"""What a node keeps of one tensor it saved, as ``records`` yields it: ``(where, counter,
-version, array)``, ``where`` being ``i`` for argument (or saved tensor) ``i`` and
-``-1 - i`` for output ``i``, ``version`` the counter's value when saved, and ``array``
-the saved array (for the error message)."""
+class SavedVersion:
+    """What a node keeps of one tensor it saved, to check before reading it: ``where``,
+    ``i`` for argument (or saved tensor) ``i`` and ``-1 - i`` for output ``i``; the
+    tensor's ``counter`` and its ``version`` (the counter's value) when saved; the saved
+    ``array`` (for the error message)."""
 
-Saved = tuple[Any, ...]
-"""The versions of the tensors a node saved: the fields of one ``SavedVersion`` after
-another, in one flat tuple; read it with ``records``. Not a tuple of record objects:
-measured, a slotted record (or a NamedTuple) per saved tensor, each 160-540 ns to make
-here and one more object for the garbage collector to visit, made the forward of a
-chain of tensor-times-tensor ops 6% slower (interleaved runs, ratio of the minimums);
-a node makes this one tuple with ``+=``."""
+    __slots__ = ("array", "counter", "version", "where")
+
+    def __init__(self, where: int, counter: VersionCounter, version: int, array: Any) -> None:
+        self.where = where
+        self.counter = counter
+        self.version = version
+        self.array = array
 
 
-def records(saved: Saved) -> Iterator[SavedVersion]:
-    """The ``SavedVersion`` of each tensor in ``saved``, in order."""
-    fields = iter(saved)
-    return zip(fields, fields, fields, fields)
+Saved = tuple[SavedVersion, ...]
+"""The versions of the tensors a node saved."""
 
 
 def check(node_name: str, saved: Saved, kind: str = "argument") -> None:
@@ -81,13 +78,19 @@ def check(node_name: str, saved: Saved, kind: str = "argument") -> None:
     The message names the saved tensor (``kind`` and index, or output and index; shape,
     dtype) and both versions.
     """
-    for where, counter, version, array in records(saved):
-        if counter.value != version:
-            what = f"{kind} {where}" if where >= 0 else f"output {-1 - where}"
-            raise BackwardError(
-                node_name,
-                f"one of the tensors saved for its backward was changed by an in-place "
-                f"operation: {what} (shape {array.shape}, dtype {array.dtype}) is at "
-                f"version {counter.value}, but was saved at version {version}. Change it "
-                f"only after the backward that needs it, or change a .copy() instead",
-            )
+    for record in saved:
+        if record.counter.value != record.version:
+            changed(node_name, record, kind)
+
+
+def changed(node_name: str, record: SavedVersion, kind: str = "argument") -> NoReturn:
+    """Raise the ``BackwardError`` of ``check`` for ``record``, whose version moved on."""
+    where, array = record.where, record.array
+    what = f"{kind} {where}" if where >= 0 else f"output {-1 - where}"
+    raise BackwardError(
+        node_name,
+        f"one of the tensors saved for its backward was changed by an in-place "
+        f"operation: {what} (shape {array.shape}, dtype {array.dtype}) is at "
+        f"version {record.counter.value}, but was saved at version {record.version}. "
+        f"Change it only after the backward that needs it, or change a .copy() instead",
+    )

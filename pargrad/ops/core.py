@@ -28,7 +28,7 @@ from pargrad.grad_mode import is_grad_enabled
 from pargrad.graph import NO_EDGE, BackwardError, Edge, Grad, Meta, Node, next_sequence_nr
 from pargrad.parallel import elementwise, large
 from pargrad.tensor import Tensor, check_saved_data, saved_versions
-from pargrad.versions import Saved, VersionCounter, check, counter_of, records
+from pargrad.versions import Saved, SavedVersion, VersionCounter, changed, check, counter_of
 from pargrad.views import refresh, view_of
 
 Rule = Callable[..., Any]
@@ -224,7 +224,7 @@ class Op:
                 if node.reads_output:  # a new tensor no other thread sees: no lock needed
                     counter = result._counter = _new(VersionCounter)
                     counter.value = 0
-                    node.saved_versions += (-1, counter, 0, out)
+                    node.output_counter = counter
                 return result
             if out.dtype.kind in LOSSY_KINDS:
                 _refuse_lossy_mix(self.name, args, out.dtype)
@@ -455,8 +455,8 @@ class OpNode(Node):
     the argument Tensors themselves, which must still hold those arrays.
     """
 
-    __slots__ = ("op", "params", "reads_output", "saved_args", "saved_arrays",
-                 "saved_outputs", "saved_versions")
+    __slots__ = ("op", "output_counter", "params", "reads_output", "saved_args",
+                 "saved_arrays", "saved_outputs", "saved_versions")
 
     def __init__(
         self, op: Op, args: Sequence[Any], arrays: Sequence[Any], params: dict[str, Any],
@@ -548,6 +548,7 @@ class OpNode(Node):
         self._forward_trace = anomaly.forward_trace() if anomaly.mode.enabled else None
         self.op = op
         self.params = params
+        self.output_counter: VersionCounter | None = None
         if op.needs_values:
             # Only what the rules that will run read, and the versions of the Tensors
             # among it: arguments' now, outputs' (Op.__call__, Op.outputs) once their
@@ -574,6 +575,16 @@ class OpNode(Node):
     def name(self) -> str:
         return self.op.node_name
 
+    def _check_versions(self) -> None:
+        """Raise ``BackwardError`` if a tensor this node saved was changed in place since:
+        an argument or output (``saved_versions``), or the output whose counter
+        ``output_counter`` is (made with it, so saved at version 0)."""
+        check(self.op.node_name, self.saved_versions)
+        counter = self.output_counter
+        if counter is not None and counter.value:
+            assert self.saved_outputs is not None
+            changed(self.op.node_name, SavedVersion(-1, counter, 0, self.saved_outputs[0]))
+
     def _free_saved(self) -> bool:
         if not self.op.needs_values:
             return False
@@ -595,9 +606,9 @@ class OpNode(Node):
         if (rules is None or type(g) is not np.ndarray or self._hooks is not None
                 or args is None or anomaly.mode.enabled or grad_mode.mode.enabled):
             return Node.apply(self, grads, retain_graph=retain_graph)
-        saved = self.saved_versions
-        if saved and (len(saved) != 4 or saved[1].value != saved[2]):  # one tensor: inline
-            check(op.node_name, saved)
+        counter = self.output_counter
+        if self.saved_versions or (counter is not None and counter.value):
+            self._check_versions()
         outs = self.saved_outputs
         ans = None if outs is None else outs[0]
         params = self.params
@@ -639,8 +650,7 @@ class OpNode(Node):
 
     def backward(self, grads: tuple[Grad, ...]) -> list[Grad | None]:
         assert self.saved_arrays is not None
-        if self.saved_versions:
-            check(self.name(), self.saved_versions)
+        self._check_versions()
         args: tuple[Any, ...] = self.saved_arrays
         outs: tuple[Any, ...] | None = self.saved_outputs
         if self.saved_args is not None and is_grad_enabled():
@@ -650,9 +660,10 @@ class OpNode(Node):
             args = self.saved_args
             if outs is not None:
                 rebuilt = [Tensor._make(o, self, i) for i, o in enumerate(outs)]
-                for where, counter, _, _ in records(self.saved_versions):
-                    if where < 0:  # with the counters of the outputs they are
-                        rebuilt[-1 - where]._counter = counter
+                rebuilt[0]._counter = self.output_counter  # with the counters the outputs have
+                for record in self.saved_versions:
+                    if record.where < 0:
+                        rebuilt[-1 - record.where]._counter = record.counter
                 outs = tuple(rebuilt)
         g = grads if self.op.multi_output else grads[0]
         ans = outs if outs is None or self.op.multi_output else outs[0]
