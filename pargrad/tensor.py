@@ -878,7 +878,7 @@ def saved_versions(tensors: Sequence[Any], which: Iterable[int] | None = None, *
     for i in range(len(tensors)) if which is None else which:
         t = tensors[i]
         if isinstance(t, Tensor):
-            counter = counter_of(t)
+            counter = t._counter or counter_of(t)  # made on first use, then never replaced
             saved.append(SavedVersion(-1 - i if outputs else i, counter, counter.value, t.data))
     return tuple(saved)
 

@@ -119,12 +119,12 @@ def run_graph(roots: Sequence[Edge], grads: Sequence[Grad], counts: dict[Node, l
             if buffer is None:
                 buffer = buffers[node] = InputBuffer(len(counts[node]))
             buffer.accumulate(output_nr, grad)
-    find, heappush = counts.get, heapq.heappush
+    find, heappush, heappop = counts.get, heapq.heappush, heapq.heappop
     for node in dict.fromkeys(node for node, _ in roots):
         if node in counts and not any(counts[node]):
             heapq.heappush(ready, (-node.sequence_nr, node, buffers.pop(node).take()))
     while ready:
-        _, node, grads_ = heapq.heappop(ready)
+        _, node, grads_ = heappop(ready)
         try:
             hooks = node._hooks
             if hooks is not None:
