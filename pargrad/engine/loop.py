@@ -220,6 +220,10 @@ def thread_main(queue: ReadyQueue[NodeTask], at: Device, owner: GraphTask | None
         assert item.grads is not None
         local: Local = [(-node.sequence_nr, node, item.grads)]
         item.grads = None  # the heap holds the gradients alone: run_nodes frees them
+        if item.kept is not None:  # what a waiter had kept at its deadline (_requeue)
+            local += item.kept
+            item.kept = None
+            heapq.heapify(local)
         try:
             run_nodes(item.task, local, at, reraise=reraise, owner=owner, handed=node,
                       until=until)
@@ -249,7 +253,8 @@ def run_nodes(task: GraphTask, local: Local, at: Device, *, reraise: bool,
     only this thread's caller as the interrupt itself. ``handed`` is the node this
     thread took from a ReadyQueue (the others on ``local`` it runs inline). ``until``
     (a ``time.monotonic()`` deadline, from ``result(timeout)``): once it has passed,
-    the nodes still on ``local`` go back on the ReadyQueue instead of running here.
+    the nodes still on ``local`` go back on the ReadyQueue, together (``_requeue``),
+    instead of running here.
     """
     engine = cast(Scheduler, task.engine)
     run = _Run(task, at, reraise, owner, handed, engine._counters.mine(),
@@ -391,12 +396,17 @@ def _interrupted(task: GraphTask, local: Local, gate: Gate, owner: GraphTask | N
 
 
 def _requeue(engine: Scheduler, task: GraphTask, local: Local) -> None:
-    """Put the nodes kept on ``local`` on their ReadyQueues (counted already, so the
-    task's count is unchanged), for another thread to run."""
+    """Hand the nodes kept on ``local`` (counted already, so the task's count is
+    unchanged) on to one other thread: one NodeTask on the ReadyQueue, of the first of
+    them, carrying the rest (``NodeTask.kept``). Whole, because this thread kept them:
+    cheap nodes not worth a hand-off each, or nodes the memory budget did not admit
+    (``_hand_off``). Run by one thread in the reference's order, as this thread would
+    have run them, they add no parallelism, so no gradients beyond the budget; one by
+    one, each would be a hand-off the budget never admitted."""
     assert not task.serial  # its nodes never reach a ReadyQueue, so never a waiter
-    while local:
-        _, node, grads = heapq.heappop(local)
-        enqueue(engine._pool.queue(node.device), NodeTask(task, node, grads))
+    _, node, grads = heapq.heappop(local)  # the heap's first (all of device ``at``)
+    enqueue(engine._pool.queue(node.device), NodeTask(task, node, grads, kept=local[:] or None))
+    local.clear()
 
 
 def _record_ready(records: list[Log], node: Node, task: GraphTask) -> None:

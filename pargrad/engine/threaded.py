@@ -188,8 +188,9 @@ class _AsyncWork:
     def wait(self, timeout: float | None) -> None:
         """Run ready work of this thread's device until the task is over, or until
         ``timeout``: checked between nodes, and once it has passed, the nodes this
-        thread kept for itself go back on the ReadyQueue, so it returns at most one node
-        late (the one it was running, with whatever that node waits for). The task's
+        thread kept for itself go back on the ReadyQueue (together, for one thread:
+        within the memory budget), so it returns at most one node late (the one it was
+        running, with whatever that node waits for). The task's
         KeyboardInterrupt semantics are a waiting caller's (module doc). Nested in
         ``MAX_REENTRANT_DEPTH`` backward calls or waits on this thread, it blocks
         instead while a helper thread with a fresh stack runs ready work, as ``execute``
