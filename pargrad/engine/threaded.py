@@ -59,6 +59,7 @@ waiters; ``evaluate`` for one node) is ``engine/loop.py``; the queues and thread
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 import weakref
@@ -264,8 +265,10 @@ class ThreadedEngine(Engine):
             hands nothing off: the reference's order and peak memory (nodes of other
             devices still go to their threads).
         trace: record every node it runs in ``engine.trace``, a ``Trace`` (thread, device,
-            start and end, inline or handed off) that exports Chrome trace JSON
-            (``engine.trace.save_chrome_trace(path)``); ``pargrad.profile()`` records
+            start and end, inline or handed off), and every intra-op chunk its idle
+            threads run for another thread's call (``Trace.helping()``), that exports
+            Chrome trace JSON (``engine.trace.save_chrome_trace(path)``);
+            ``pargrad.profile()`` records
             the nodes of every engine for the length of a block instead.
 
     ``execute`` blocks the caller, who works meanwhile. Thread-safe: any number of
@@ -292,7 +295,10 @@ class ThreadedEngine(Engine):
         memory_budget: int | None = None,
         trace: bool = False,
     ) -> None:
-        self._pool: Pool[NodeTask] = Pool(workers, worker_main)
+        # The workers count the chunks they help with in this engine's statistics; a weak
+        # reference, since the pool must not keep its engine alive.
+        self._pool: Pool[NodeTask] = Pool(workers, functools.partial(worker_main,
+                                                                     weakref.ref(self)))
         self.trace = Trace() if trace else None
         self._counters = Counters()
         self.deterministic = bool(deterministic)
@@ -331,8 +337,10 @@ class ThreadedEngine(Engine):
 
     def statistics(self) -> Statistics:
         """What this engine did so far: nodes run per thread, inline and handed off,
-        ReadyQueue waits, backward calls ended and failed. Thread-safe; exact for the
-        backward calls that have returned.
+        ReadyQueue waits, backward calls ended and failed, and the intra-op chunks its
+        idle threads ran for another thread's call (``chunks_helped_per_thread``,
+        ``helping_seconds``). Thread-safe; exact for the backward calls (and cut
+        calls) that have returned.
 
         >>> import pargrad
         >>> engine = pargrad.ThreadedEngine(workers=1)
