@@ -1,6 +1,7 @@
 """ThreadedEngine(memory_budget=bytes): the gradients handed to other threads at once stay
-within the budget; 0 hands nothing off and peaks as the reference does; the gradients are
-the reference's whatever the budget."""
+within the budget, also when a thread waiting in result(timeout) hands back what it kept;
+0 hands nothing off and peaks as the reference does; the gradients are the reference's
+whatever the budget."""
 
 from __future__ import annotations
 

@@ -432,7 +432,8 @@ def _requeue(engine: Scheduler, task: GraphTask, local: Local) -> None:
     cheap nodes not worth a hand-off each, or nodes the memory budget did not admit
     (``_hand_off``). Run by one thread in the reference's order, as this thread would
     have run them, they add no parallelism, so no gradients beyond the budget; one by
-    one, each would be a hand-off the budget never admitted."""
+    one, each would be a hand-off the budget never admitted. (The thread that takes them
+    counts the first as handed off in ``statistics()``, the rest as inline.)"""
     assert not task.serial  # its nodes never reach a ReadyQueue, so never a waiter
     _, node, grads = heapq.heappop(local)  # the heap's first (all of device ``at``)
     enqueue(engine._pool.queue(node.device), NodeTask(task, node, grads, kept=local[:] or None))
