@@ -191,8 +191,8 @@ class _AsyncWork:
         ``timeout``: checked between nodes, and once it has passed, the nodes this
         thread kept for itself go back on the ReadyQueue (together, for one thread:
         within the memory budget), so it returns at most one node late (the one it was
-        running, with whatever that node waits for). The task's
-        KeyboardInterrupt semantics are a waiting caller's (module doc). Nested in
+        running, with whatever that node waits for). The task's KeyboardInterrupt
+        semantics are a waiting caller's (module doc). Nested in
         ``MAX_REENTRANT_DEPTH`` backward calls or waits on this thread, it blocks
         instead while a helper thread with a fresh stack runs ready work, as ``execute``
         does."""
@@ -268,8 +268,8 @@ class ThreadedEngine(Engine):
             start and end, inline or handed off), and every intra-op chunk its idle
             threads run for another thread's call (``Trace.helping()``), that exports
             Chrome trace JSON (``engine.trace.save_chrome_trace(path)``);
-            ``pargrad.profile()`` records
-            the nodes of every engine for the length of a block instead.
+            ``pargrad.profile()`` records the nodes of every engine for the length of
+            a block instead.
 
     ``execute`` blocks the caller, who works meanwhile. Thread-safe: any number of
     threads may run backward calls on one engine at once, and nodes may call backward

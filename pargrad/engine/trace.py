@@ -1,7 +1,7 @@
 """Seeing what the threaded engine did: a trace of every node it ran, of the moment each
 leaf's gradient was final, and of every intra-op chunk an idle thread ran for another
-thread's call (exported as Chrome trace JSON, for Perfetto or
-chrome://tracing), and its statistics.
+thread's call (exported as Chrome trace JSON, for Perfetto or chrome://tracing), and its
+statistics.
 
 - ``ThreadedEngine(trace=True)`` keeps a ``Trace`` of every backward it runs
   (``engine.trace``); ``with pargrad.profile() as trace:`` records the nodes that any
