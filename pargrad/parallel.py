@@ -20,6 +20,8 @@ Guarantees:
   a BLAS node running) the call is not cut at all.
 - A chunk's exception is raised by the holder once no chunk runs any more; the chunks
   not yet started are then skipped. So is every chunk after the holder was interrupted.
+- What a helper runs is seen in the engine's ``statistics()`` (``chunks_helped``,
+  ``helping_seconds``) and trace (``Trace.helping()``): ``Job.help``'s ``ran``.
 - Which threads help is decided by the engine that is current (``set_helpers_finder``,
   registered by ``engine/selection.py``): a ``ThreadedEngine`` made with
   ``intra_op=True`` (the default) offers chunks to its workers; the reference engine
@@ -31,6 +33,7 @@ Assumptions: no GIL; ``Job._lock`` guards a job's claims (its comment says what)
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -215,29 +218,39 @@ class Job:
             if self._running == 0:
                 self._idle.notify_all()
 
-    def help(self, stop: Callable[[], bool] | None = None) -> None:
+    def help(self, stop: Callable[[], bool] | None = None,
+             ran: Callable[[float, float], None] | None = None) -> None:
         """Run chunks until none is left, or until ``stop()`` says to (checked between
         chunks: the holder runs what is left). For an idle thread that took the job; it
-        runs them under the holder's numpy error state. Never raises: a chunk's
-        exception goes to the holder. (A warning a chunk issues is issued on this
-        thread, not the holder's.)"""
+        runs them under the holder's numpy error state. ``ran(start, end)``
+        (``time.perf_counter()`` seconds) is called after each chunk it ran, before the
+        holder can see that chunk finished: what it records is complete once the call
+        returned (the engine's statistics and trace of helping). Never raises: a
+        chunk's exception goes to the holder. (A warning a chunk issues is issued on
+        this thread, not the holder's.)"""
         with np.errstate(**self._errstate):
-            self._drain(BaseException, stop)
+            self._drain(BaseException, stop, ran)
 
-    def _drain(self, catch: type[BaseException],
-               stop: Callable[[], bool] | None = None) -> None:
-        """Claim and run chunks until none is left (or ``stop()``); a chunk's exception of
-        type ``catch`` becomes ``error`` (the first one) instead of propagating."""
+    def _drain(self, catch: type[BaseException], stop: Callable[[], bool] | None = None,
+               ran: Callable[[float, float], None] | None = None) -> None:
+        """Claim and run chunks until none is left (or ``stop()``), each followed by
+        ``ran(start, end)``; a chunk's exception of type ``catch`` becomes ``error``
+        (the first one) instead of propagating."""
         while (stop is None or not stop()) and (claimed := self._claim()) is not None:
             i, run = claimed
             del claimed
             exc = None
+            start = time.perf_counter() if ran is not None else 0.0
             try:
                 run(i)
             except catch as e:
                 exc = e
             del run
-            self._finished(exc)
+            try:
+                if ran is not None:
+                    ran(start, time.perf_counter())
+            finally:
+                self._finished(exc)
 
     def run_here(self, offer: Offer, count: int) -> None:
         """The holder's part: offer the job to up to ``count`` idle threads, run chunks

@@ -342,3 +342,158 @@ def test_an_offer_nobody_took_is_dropped_once_its_call_is_over() -> None:
     queue._offers.append(done)  # as a waiter that found its stop set would leave it
     assert queue.offer(parallel.Job(lambda i: None, 2), 1) == 0  # nobody waits
     assert not queue._offers
+
+
+# ----- what helping costs is seen: statistics and trace -----
+
+WAIT = 30  # seconds: a generous bound on anything these tests wait for
+
+
+def chunk_threads_op(threads: list[str], pause: float = 0.02,
+                     first: Any = None) -> Any:
+    """An elementwise op whose forward and rule (both cut) append, per call, the thread
+    that made it, and pause; ``first()``, if given, runs at the end of the rule's first
+    call (the holder's first chunk, before the call is offered to anyone)."""
+    def forward(x: np.ndarray) -> np.ndarray:
+        threads.append(threading.current_thread().name)
+        time.sleep(pause)
+        return x * 2.0
+
+    def rule(g: np.ndarray, ans: np.ndarray, x: np.ndarray) -> np.ndarray:
+        threads.append(threading.current_thread().name)
+        time.sleep(pause)
+        if first is not None and len(threads) == 1:
+            first()
+        return g * 2.0
+
+    return defop("chunked", forward, rule, cut=("forward", 0))
+
+
+def helped_by(threads: list[str], holder: str) -> dict[str, int]:
+    """How many chunks each thread other than ``holder`` ran, by name."""
+    counts: dict[str, int] = {}
+    for name in threads:
+        if name != holder:
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def check_seen(engine: pargrad.ThreadedEngine, helpers: dict[str, int]) -> None:
+    """The engine's statistics and trace show exactly the chunks ``helpers`` ran."""
+    stats = engine.statistics()
+    assert dict(stats.chunks_helped_per_thread) == helpers
+    assert stats.chunks_helped == sum(helpers.values()) > 0
+    assert stats.helping_seconds > 0
+    assert engine.trace is not None
+    spans = engine.trace.helping()
+    assert sorted(s.thread for s in spans) == sorted(
+        name for name, count in helpers.items() for _ in range(count))
+    assert all(s.start <= s.end for s in spans)
+    assert [s.start for s in spans] == sorted(s.start for s in spans)
+    slices = [e for e in engine.trace.chrome_trace()["traceEvents"]
+              if e["ph"] == "X" and e["cat"] == "intra-op"]
+    assert len(slices) == stats.chunks_helped and {e["name"] for e in slices} == {"help"}
+
+
+@pytest.mark.timeout(60)
+def test_chunks_an_idle_worker_ran_in_a_forward_are_counted_and_traced(
+        small_chunks: None) -> None:
+    threads: list[str] = []
+    op = chunk_threads_op(threads)
+    with pargrad.ThreadedEngine(workers=1, trace=True) as engine:
+        engine.intra_op_helpers()  # starts the worker
+        wait_idle(engine)
+        x = np.arange(20 * CHUNK, dtype=np.float64)
+        with pargrad.use_engine(engine):
+            out = op(pargrad.tensor(x))
+        np.testing.assert_array_equal(out.data, x * 2.0)
+        helpers = helped_by(threads, threading.current_thread().name)
+        assert set(helpers) == {"pargrad-cpu-0"}  # the worker helped (and no one else)
+        check_seen(engine, helpers)
+        assert engine.statistics().nodes == 0  # a forward: no node ran
+        engine.trace.clear()
+        assert engine.trace.helping() == []
+
+
+@pytest.mark.timeout(60)
+def test_chunks_an_idle_worker_ran_in_a_backward_are_counted_and_traced(
+        small_chunks: None) -> None:
+    threads: list[str] = []
+    op = chunk_threads_op(threads)
+    with pargrad.ThreadedEngine(workers=1, trace=True) as engine:
+        x = pargrad.tensor(np.ones(20 * CHUNK), requires_grad=True)
+        with pargrad.use_engine(pargrad.SequentialEngine()):  # the forward is not cut
+            y = op(x)
+        assert threads == [threading.current_thread().name]
+        threads.clear()
+        engine.intra_op_helpers()
+        wait_idle(engine)
+        y.backward(np.ones(20 * CHUNK), engine=engine)
+        assert x.grad is not None
+        np.testing.assert_array_equal(x.grad.data, 2.0)
+        helpers = helped_by(threads, threading.current_thread().name)
+        assert set(helpers) == {"pargrad-cpu-0"}
+        check_seen(engine, helpers)
+        assert engine.statistics().nodes == 1
+        nodes = engine.trace.events()
+        assert [e.node for e in nodes] == ["ChunkedBackward"]
+        assert all(nodes[0].start <= s.start <= s.end <= nodes[0].end
+                   for s in engine.trace.helping())  # within the node they helped
+
+
+@pytest.mark.timeout(60)
+def test_a_thread_waiting_in_result_counts_the_chunks_it_helps_with(
+        small_chunks: None) -> None:
+    with pargrad.ThreadedEngine(workers=1, trace=True) as engine:
+        queue = engine._pool.queue(pargrad.device("cpu"))
+
+        def until_this_thread_waits() -> None:  # the holder is the worker
+            deadline = time.monotonic() + WAIT
+            while queue._waiting < 1:
+                assert time.monotonic() < deadline, "result() never waited"
+                time.sleep(0.001)
+
+        threads: list[str] = []
+        op = chunk_threads_op(threads, first=until_this_thread_waits)
+        x = pargrad.tensor(np.ones(20 * CHUNK), requires_grad=True)
+        with pargrad.use_engine(pargrad.SequentialEngine()):  # the forward is not cut
+            y = op(x)
+        threads.clear()
+        future = pargrad.backward_async(y, np.ones(20 * CHUNK), engine=engine)
+        deadline = time.monotonic() + WAIT
+        while not threads:  # the worker took the root: it holds the call
+            assert time.monotonic() < deadline, "the worker never ran the node"
+            time.sleep(0.001)
+        assert future.result(timeout=WAIT) is None  # waits, and helps: offered to it
+        assert threads[0] == "pargrad-cpu-0"
+        helpers = helped_by(threads, "pargrad-cpu-0")
+        assert set(helpers) == {threading.current_thread().name}
+        check_seen(engine, helpers)
+
+
+@pytest.mark.timeout(60)
+def test_nothing_is_counted_as_helped_where_nobody_helps(small_chunks: None) -> None:
+    threads: list[str] = []
+    op = chunk_threads_op(threads, pause=0.0)
+    with pargrad.ThreadedEngine(workers=1, trace=True, intra_op=False) as engine:
+        x = pargrad.tensor(np.ones(20 * CHUNK), requires_grad=True)
+        with pargrad.use_engine(engine):
+            y = op(x)
+        y.backward(np.ones(20 * CHUNK), engine=engine)
+        assert x.grad is not None
+        np.testing.assert_array_equal(x.grad.data, 2.0)
+        stats = engine.statistics()
+        assert stats.nodes == 1
+        assert stats.chunks_helped == 0 and dict(stats.chunks_helped_per_thread) == {}
+        assert stats.helping_seconds == 0.0
+        assert engine.trace is not None and engine.trace.helping() == []
+    assert set(threads) == {threading.current_thread().name}  # nothing was cut
+    with pargrad.ThreadedEngine(workers=1, trace=True) as engine:  # a call too small to cut
+        engine.intra_op_helpers()
+        wait_idle(engine)
+        x = pargrad.tensor(np.ones(MIN - 1), requires_grad=True)
+        with pargrad.use_engine(engine):
+            y = op(x)
+        y.backward(np.ones(MIN - 1), engine=engine)
+        assert engine.statistics().chunks_helped == 0
+        assert engine.trace is not None and engine.trace.helping() == []

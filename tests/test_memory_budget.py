@@ -1,9 +1,13 @@
 """ThreadedEngine(memory_budget=bytes): the gradients handed to other threads at once stay
-within the budget; 0 hands nothing off and peaks as the reference does; the gradients are
-the reference's whatever the budget."""
+within the budget, also when a thread waiting in result(timeout) hands back what it kept;
+0 hands nothing off and peaks as the reference does; the gradients are the reference's
+whatever the budget."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
+import time
 import tracemalloc
 from typing import Any
 
@@ -128,3 +132,114 @@ def test_a_budget_of_zero_admits_not_even_an_empty_hand_off() -> None:
     budgeted.release(8)
     assert budgeted.admit(1)
     engine.shutdown()
+
+
+# ----- result(timeout): what a waiter kept goes back within the budget -----
+
+WAIT = 30  # seconds: a generous bound on anything these tests wait for
+
+
+class Hold(pargrad.Function):
+    """Identity whose backward counts itself in ``started`` and waits for ``release``:
+    keeps a worker busy."""
+
+    lock = threading.Lock()
+    started = 0
+    release = threading.Event()
+
+    @staticmethod
+    def forward(ctx: Any, x: pargrad.Tensor) -> np.ndarray:
+        return x.data.copy()
+
+    @staticmethod
+    def backward(ctx: Any, g: pargrad.Tensor) -> pargrad.Tensor:
+        with Hold.lock:
+            Hold.started += 1
+        assert Hold.release.wait(WAIT), "the test never released the node"
+        return g
+
+
+class Spread(pargrad.Function):
+    """``a + b + c``, whose backward lets ``seconds`` pass (the deadline of the thread
+    running it passes) and then makes the three branches ready at once."""
+
+    seconds = 0.0
+    ran_on = ""
+
+    @staticmethod
+    def forward(ctx: Any, a: pargrad.Tensor, b: pargrad.Tensor, c: pargrad.Tensor) -> np.ndarray:
+        return a.data + b.data + c.data
+
+    @staticmethod
+    def backward(ctx: Any, g: pargrad.Tensor) -> tuple[Any, ...]:
+        Spread.ran_on = threading.current_thread().name
+        time.sleep(Spread.seconds)
+        return g * 1.0, g * 1.0, g * 1.0
+
+
+class Meet(pargrad.Function):
+    """Identity whose backward records how many branches run at once (``most``): each
+    waits, up to ``patience`` s, for three to be running, so that branches able to run
+    at once are seen to."""
+
+    lock = threading.Lock()
+    running = 0
+    most = 0
+    patience = 1.0
+    all_in = threading.Condition(lock)
+
+    @staticmethod
+    def forward(ctx: Any, x: pargrad.Tensor) -> np.ndarray:
+        return x.data.copy()
+
+    @staticmethod
+    def backward(ctx: Any, g: pargrad.Tensor) -> pargrad.Tensor:
+        with Meet.all_in:
+            Meet.running += 1
+            Meet.most = max(Meet.most, Meet.running)
+            Meet.all_in.notify_all()
+            Meet.all_in.wait_for(lambda: Meet.running >= 3, Meet.patience)
+            Meet.patience = 0.0 if Meet.running < 3 else Meet.patience  # waited once: enough
+            Meet.running -= 1
+        return g
+
+
+def branches_at_once_after_a_timeout(budget: int | None) -> int:
+    """How many of three ready branches run at once when the thread that made them
+    ready was waiting in ``result(timeout)`` and its deadline passed right then: it
+    kept what it could not hand off within ``budget`` and hands it back."""
+    Hold.started, Meet.running, Meet.most, Meet.patience = 0, 0, 0, 1.0
+    Hold.release.clear()
+    with pargrad.ThreadedEngine(workers=3, handoff_threshold=0,
+                                memory_budget=budget) as engine:
+        held = [pargrad.tensor(np.ones(1), requires_grad=True) for _ in range(3)]
+        blocked = pargrad.backward_async([Hold.apply(h).sum() for h in held], engine=engine)
+        deadline = time.monotonic() + WAIT
+        while Hold.started < 3:  # every worker is stuck
+            assert time.monotonic() < deadline, "the workers never took the held nodes"
+            time.sleep(0.001)
+        xs = [pargrad.tensor(np.ones(N), requires_grad=True) for _ in range(3)]
+        timeout = 0.5
+        Spread.seconds = 2 * timeout  # the deadline has passed once it returns
+        loss = Spread.apply(*[Meet.apply(x) for x in xs]).sum()
+        other = pargrad.backward_async(loss, engine=engine)
+        with pytest.raises(concurrent.futures.TimeoutError):
+            blocked.result(timeout=timeout)  # helps: takes other's root, runs Spread
+        assert Spread.ran_on == threading.current_thread().name
+        assert Meet.most == 0 and not other.done()  # the branches went back on the queue
+        Hold.release.set()  # three idle workers take what is on the queue
+        assert other.result(timeout=WAIT) is None and blocked.result(timeout=WAIT) is None
+    for x in xs:
+        assert x.grad is not None
+        np.testing.assert_array_equal(x.grad.data, 1.0)
+    return Meet.most
+
+
+@pytest.mark.timeout(120)
+def test_a_result_timeout_hands_back_what_it_kept_within_the_budget() -> None:
+    # One branch's gradient fits the budget: one branch is handed off, the thread that
+    # made them ready keeps the other two, and at its deadline hands them on together,
+    # to one thread, which runs them one after the other (as the waiter would have).
+    assert branches_at_once_after_a_timeout(N * 8) == 2
+    # Without a budget all three are handed off, and run at once (the test sees it).
+    assert branches_at_once_after_a_timeout(None) == 3

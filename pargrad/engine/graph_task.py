@@ -59,16 +59,21 @@ class NodeTask:
     """A ready node of one GraphTask and the gradients gathered for its outputs: what a
     ReadyQueue holds. (Work a thread keeps for itself needs no task and stays a Ready.)"""
 
-    __slots__ = ("charged", "grads", "node", "task")
+    __slots__ = ("charged", "grads", "kept", "node", "task")
 
     def __init__(self, task: GraphTask, node: Node, grads: list[Grad | None] | None,
-                 charged: int = 0) -> None:
+                 charged: int = 0, kept: list[tuple[int, Node, list[Grad | None]]] | None = None,
+                 ) -> None:
         self.task = task
         self.node = node
         self.grads = grads  # set to None once a thread took them to run the node
         # Bytes of ``grads`` counted against the engine's memory budget (GraphTask.admit),
         # released once the thread that took it has run it and what it kept.
         self.charged = charged
+        # More ready nodes of the task that go with this one, to the one thread that takes
+        # it: what a thread waiting in ``result(timeout)`` had kept for itself when its
+        # deadline passed (``loop._requeue``), as ``(-sequence_nr, node, grads)`` entries.
+        self.kept = kept
 
 
 STRIPES = 64  # the most stripes of a task; a power of two

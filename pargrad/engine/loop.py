@@ -31,6 +31,7 @@ import functools
 import heapq
 import threading
 import time
+from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Protocol, cast
 
@@ -158,11 +159,14 @@ def home_device(pool: Pool[NodeTask]) -> Device:
 
 # ----- the loop -----
 
-def worker_main(pool: Pool[NodeTask], at: Device, queue: ReadyQueue[NodeTask]) -> None:
+def worker_main(engine: Callable[[], Scheduler | None], pool: Pool[NodeTask], at: Device,
+                queue: ReadyQueue[NodeTask]) -> None:
     """A worker's life: run the device's ready work until the queue is closed and empty.
+    ``engine`` is a weak reference to the engine of ``pool`` (which keeps none, so that
+    the engine can be collected), whose statistics count the chunks it helps with.
     Never raises: everything a node raises is recorded in its GraphTask."""
     state.pool, state.device = pool, at
-    thread_main(queue, at)
+    thread_main(queue, at, engine=engine)
 
 
 def helper_main(task: GraphTask, ready: list[Ready], at: Device,
@@ -187,10 +191,12 @@ def drive(task: GraphTask, ready: list[Ready], at: Device, queue: ReadyQueue[Nod
 
 
 def thread_main(queue: ReadyQueue[NodeTask], at: Device, owner: GraphTask | None = None,
-                *, reraise: bool = False, until: float | None = None) -> None:
-    """Take ready work of device ``at`` from ``queue`` and run it (``run_nodes``), until:
+                *, reraise: bool = False, until: float | None = None,
+                engine: Callable[[], Scheduler | None] | None = None) -> None:
+    """Take ready work of device ``at`` from ``queue`` and run it (``run_nodes``), or
+    chunks of another thread's intra-op call (``_help``), until:
 
-    - ``owner`` None (a worker): the queue is closed and empty;
+    - ``owner`` None (a worker, whose ``engine`` this is): the queue is closed and empty;
     - else (a caller, a helper, a ``result()`` waiter): ``owner``, the task this thread
       waits for, is done; or ``until`` (a ``time.monotonic()`` deadline) has passed.
 
@@ -211,8 +217,10 @@ def thread_main(queue: ReadyQueue[NodeTask], at: Device, owner: GraphTask | None
                 return  # closed: queues close only when no task is in flight
             continue
         if isinstance(item, Job):  # chunks of a large elementwise call (pargrad/parallel.py)
-            item.help(None if owner is None else
-                      lambda: _should_stop(stop, until))  # the holder runs what is left
+            if owner is None:  # a worker: helps until no chunk is left
+                _help(item, None if engine is None else engine(), None)
+            else:  # stops when its task is over: the holder runs what is left
+                _help(item, cast(Scheduler, owner.engine), lambda: _should_stop(stop, until))
             del item
             continue
         assert isinstance(item, NodeTask)
@@ -220,6 +228,10 @@ def thread_main(queue: ReadyQueue[NodeTask], at: Device, owner: GraphTask | None
         assert item.grads is not None
         local: Local = [(-node.sequence_nr, node, item.grads)]
         item.grads = None  # the heap holds the gradients alone: run_nodes frees them
+        if item.kept is not None:  # what a waiter had kept at its deadline (_requeue)
+            local += item.kept
+            item.kept = None
+            heapq.heapify(local)
         try:
             run_nodes(item.task, local, at, reraise=reraise, owner=owner, handed=node,
                       until=until)
@@ -227,6 +239,28 @@ def thread_main(queue: ReadyQueue[NodeTask], at: Device, owner: GraphTask | None
             if item.charged:
                 item.task.release(item.charged)
         del item, node  # hold no graph alive while idle
+
+
+def _help(job: Job, engine: Scheduler | None, stop: Callable[[], bool] | None) -> None:
+    """Run chunks of another thread's large elementwise call (``job``) until none is left,
+    or ``stop()`` (the holder runs what is left). Each chunk counts in this thread's
+    statistics of ``engine`` (the engine whose ReadyQueue offered it), and in its
+    trace, if anything records (``HelpEvent``); all on this path only, so a node pays
+    nothing for it."""
+    if engine is None:  # a worker whose engine was collected: nothing to count in
+        job.help(stop)
+        return
+    counts = engine._counters.mine()
+    records = recording(engine.trace)
+
+    def ran(start: float, end: float) -> None:
+        counts.chunks_helped += 1
+        counts.helping_seconds += end - start
+        if records is not None:
+            for log in records:
+                log.helping.append((start, end))
+
+    job.help(stop, ran)
 
 
 def _should_stop(stop: Flag | None, until: float | None) -> bool:
@@ -249,7 +283,8 @@ def run_nodes(task: GraphTask, local: Local, at: Device, *, reraise: bool,
     only this thread's caller as the interrupt itself. ``handed`` is the node this
     thread took from a ReadyQueue (the others on ``local`` it runs inline). ``until``
     (a ``time.monotonic()`` deadline, from ``result(timeout)``): once it has passed,
-    the nodes still on ``local`` go back on the ReadyQueue instead of running here.
+    the nodes still on ``local`` go back on the ReadyQueue, together (``_requeue``),
+    instead of running here.
     """
     engine = cast(Scheduler, task.engine)
     run = _Run(task, at, reraise, owner, handed, engine._counters.mine(),
@@ -391,12 +426,18 @@ def _interrupted(task: GraphTask, local: Local, gate: Gate, owner: GraphTask | N
 
 
 def _requeue(engine: Scheduler, task: GraphTask, local: Local) -> None:
-    """Put the nodes kept on ``local`` on their ReadyQueues (counted already, so the
-    task's count is unchanged), for another thread to run."""
+    """Hand the nodes kept on ``local`` (counted already, so the task's count is
+    unchanged) on to one other thread: one NodeTask on the ReadyQueue, of the first of
+    them, carrying the rest (``NodeTask.kept``). Whole, because this thread kept them:
+    cheap nodes not worth a hand-off each, or nodes the memory budget did not admit
+    (``_hand_off``). Run by one thread in the reference's order, as this thread would
+    have run them, they add no parallelism, so no gradients beyond the budget; one by
+    one, each would be a hand-off the budget never admitted. (The thread that takes them
+    counts the first as handed off in ``statistics()``, the rest as inline.)"""
     assert not task.serial  # its nodes never reach a ReadyQueue, so never a waiter
-    while local:
-        _, node, grads = heapq.heappop(local)
-        enqueue(engine._pool.queue(node.device), NodeTask(task, node, grads))
+    _, node, grads = heapq.heappop(local)  # the heap's first (all of device ``at``)
+    enqueue(engine._pool.queue(node.device), NodeTask(task, node, grads, kept=local[:] or None))
+    local.clear()
 
 
 def _record_ready(records: list[Log], node: Node, task: GraphTask) -> None:

@@ -59,6 +59,7 @@ waiters; ``evaluate`` for one node) is ``engine/loop.py``; the queues and thread
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 import weakref
@@ -188,9 +189,10 @@ class _AsyncWork:
     def wait(self, timeout: float | None) -> None:
         """Run ready work of this thread's device until the task is over, or until
         ``timeout``: checked between nodes, and once it has passed, the nodes this
-        thread kept for itself go back on the ReadyQueue, so it returns at most one node
-        late (the one it was running, with whatever that node waits for). The task's
-        KeyboardInterrupt semantics are a waiting caller's (module doc). Nested in
+        thread kept for itself go back on the ReadyQueue (together, for one thread:
+        within the memory budget), so it returns at most one node late (the one it was
+        running, with whatever that node waits for). The task's KeyboardInterrupt
+        semantics are a waiting caller's (module doc). Nested in
         ``MAX_REENTRANT_DEPTH`` backward calls or waits on this thread, it blocks
         instead while a helper thread with a fresh stack runs ready work, as ``execute``
         does."""
@@ -263,9 +265,11 @@ class ThreadedEngine(Engine):
             hands nothing off: the reference's order and peak memory (nodes of other
             devices still go to their threads).
         trace: record every node it runs in ``engine.trace``, a ``Trace`` (thread, device,
-            start and end, inline or handed off) that exports Chrome trace JSON
-            (``engine.trace.save_chrome_trace(path)``); ``pargrad.profile()`` records
-            the nodes of every engine for the length of a block instead.
+            start and end, inline or handed off), and every intra-op chunk its idle
+            threads run for another thread's call (``Trace.helping()``), that exports
+            Chrome trace JSON (``engine.trace.save_chrome_trace(path)``);
+            ``pargrad.profile()`` records the nodes of every engine for the length of
+            a block instead.
 
     ``execute`` blocks the caller, who works meanwhile. Thread-safe: any number of
     threads may run backward calls on one engine at once, and nodes may call backward
@@ -291,7 +295,10 @@ class ThreadedEngine(Engine):
         memory_budget: int | None = None,
         trace: bool = False,
     ) -> None:
-        self._pool: Pool[NodeTask] = Pool(workers, worker_main)
+        # The workers count the chunks they help with in this engine's statistics; a weak
+        # reference, since the pool must not keep its engine alive.
+        self._pool: Pool[NodeTask] = Pool(workers, functools.partial(worker_main,
+                                                                     weakref.ref(self)))
         self.trace = Trace() if trace else None
         self._counters = Counters()
         self.deterministic = bool(deterministic)
@@ -330,8 +337,10 @@ class ThreadedEngine(Engine):
 
     def statistics(self) -> Statistics:
         """What this engine did so far: nodes run per thread, inline and handed off,
-        ReadyQueue waits, backward calls ended and failed. Thread-safe; exact for the
-        backward calls that have returned.
+        ReadyQueue waits, backward calls ended and failed, and the intra-op chunks its
+        idle threads ran for another thread's call (``chunks_helped_per_thread``,
+        ``helping_seconds``). Thread-safe; exact for the backward calls (and cut
+        calls) that have returned.
 
         >>> import pargrad
         >>> engine = pargrad.ThreadedEngine(workers=1)

@@ -1,13 +1,16 @@
-"""Seeing what the threaded engine did: a trace of every node it ran and of the moment
-each leaf's gradient was final (exported as Chrome trace JSON, for Perfetto or
-chrome://tracing), and its statistics.
+"""Seeing what the threaded engine did: a trace of every node it ran, of the moment each
+leaf's gradient was final, and of every intra-op chunk an idle thread ran for another
+thread's call (exported as Chrome trace JSON, for Perfetto or chrome://tracing), and its
+statistics.
 
 - ``ThreadedEngine(trace=True)`` keeps a ``Trace`` of every backward it runs
   (``engine.trace``); ``with pargrad.profile() as trace:`` records the nodes that any
   ThreadedEngine runs while the block is open, on any thread.
 - ``engine.statistics()`` returns a ``Statistics``: nodes run per thread, inline and
-  handed off, queue waits, backward calls ended and failed. Always on: counting costs
-  one integer increment per node.
+  handed off, queue waits, backward calls ended and failed, and the intra-op chunks
+  threads ran for another thread's call (pargrad/parallel.py) and the time they took.
+  Always on: counting costs one integer increment per node, and two per chunk helped
+  (nothing per node for helping).
 
 Guarantees: recording is thread-safe without a GIL: each thread appends to lists of its
 own (registered once under a lock) and readers merge them. ``Trace.events()`` and
@@ -38,16 +41,19 @@ handed off, task number)``; the thread is the list's owner."""
 ReadyRecord = tuple[int, tuple[int, ...], float, int]
 """What a thread appends when a leaf's gradient is final: ``(sequence_nr of its
 AccumulateGrad, the leaf's shape, time, task number)``."""
+HelpRecord = tuple[float, float]
+"""What a thread appends per chunk it ran for another thread's call: ``(start, end)``."""
 
 
 class Log:
     """One thread's records in one Trace; only that thread appends to them."""
 
-    __slots__ = ("nodes", "ready")
+    __slots__ = ("helping", "nodes", "ready")
 
     def __init__(self) -> None:
         self.nodes: list[Record] = []
         self.ready: list[ReadyRecord] = []
+        self.helping: list[HelpRecord] = []
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,18 @@ class LeafReady:
     thread: str  # the thread whose delivery completed it
     time: float  # ``time.perf_counter()`` seconds
     task: int
+
+
+@dataclass(frozen=True)
+class HelpEvent:
+    """One chunk of another thread's large elementwise call (intra-op parallelism,
+    pargrad/parallel.py; a node's rule, or a forward op while a ThreadedEngine is
+    current) that an idle thread of a ThreadedEngine took from its ReadyQueue and ran.
+    The calling thread's own chunks are part of its node's event (or of its forward)."""
+
+    thread: str  # the helping thread: ``pargrad-cpu-0``, or a waiting caller's name
+    start: float  # ``time.perf_counter()`` seconds
+    end: float
 
 
 class Trace:
@@ -119,20 +137,32 @@ class Trace:
                  for thread, records in threads for seq, shape, at, task in records]
         return sorted(ready, key=lambda r: r.time)
 
+    def helping(self) -> list[HelpEvent]:
+        """Every chunk run for another thread's call recorded so far, by start time."""
+        with self._lock:
+            threads = [(thread, list(log.helping)) for thread, log in self._threads]
+        chunks = [HelpEvent(thread.name, start, end)
+                  for thread, records in threads for start, end in records]
+        return sorted(chunks, key=lambda h: h.start)
+
     def clear(self) -> None:
         """Forget what was recorded (threads recording now may still add to it)."""
         with self._lock:
             for _, log in self._threads:
                 log.nodes.clear()
                 log.ready.clear()
+                log.helping.clear()
 
     def chrome_trace(self) -> dict[str, Any]:
         """The events in Chrome's trace event format: one track per thread, one slice
-        per node (its category says inline or handed off), an instant event ``ready``
-        per leaf whose gradient became final, times in microseconds from the first
-        node."""
+        per node (its category says inline or handed off), one slice ``help`` (category
+        ``intra-op``) per chunk run for another thread's call, an instant event
+        ``ready`` per leaf whose gradient became final, times in microseconds from the
+        first slice."""
         events = self.events()
-        origin = events[0].start if events else 0.0
+        helping = self.helping()
+        starts = [s[0].start for s in (events, helping) if s]
+        origin = min(starts) if starts else 0.0
         pid = os.getpid()
         tids: dict[str, int] = {}
         out: list[dict[str, Any]] = []
@@ -143,6 +173,10 @@ class Trace:
                         "ts": (e.start - origin) * 1e6, "dur": (e.end - e.start) * 1e6,
                         "args": {"sequence_nr": e.sequence_nr, "device": e.device,
                                  "task": e.task}})
+        for h in helping:
+            tid = tids.setdefault(h.thread, len(tids) + 1)
+            out.append({"name": "help", "cat": "intra-op", "ph": "X", "pid": pid, "tid": tid,
+                        "ts": (h.start - origin) * 1e6, "dur": (h.end - h.start) * 1e6})
         for r in self.leaves_ready():
             tid = tids.setdefault(r.thread, len(tids) + 1)
             out.append({"name": "ready", "cat": "leaf", "ph": "i", "s": "t", "pid": pid,
@@ -224,21 +258,31 @@ class Statistics:
     queue_waits: int  # times a thread found its ReadyQueue empty and blocked
     graph_tasks_completed: int  # backward calls that returned or raised
     errors: int  # backward calls that raised
+    # Intra-op chunks (pargrad/parallel.py) that threads took from a ReadyQueue while
+    # idle and ran for another thread's call, by thread name (threads that ran some).
+    chunks_helped_per_thread: Mapping[str, int]
+    helping_seconds: float  # the time spent running those chunks, all threads together
 
     @property
     def nodes(self) -> int:
         return sum(self.nodes_per_thread.values())
 
+    @property
+    def chunks_helped(self) -> int:
+        return sum(self.chunks_helped_per_thread.values())
+
 
 class ThreadCounts:
     """One thread's counts for one engine; only that thread writes them."""
 
-    __slots__ = ("handed_off", "nodes", "thread")
+    __slots__ = ("chunks_helped", "handed_off", "helping_seconds", "nodes", "thread")
 
     def __init__(self, thread: str) -> None:
         self.thread = thread
         self.nodes = 0
         self.handed_off = 0
+        self.chunks_helped = 0  # intra-op chunks run for another thread's call
+        self.helping_seconds = 0.0  # the time spent running them
 
 
 class Counters:
@@ -268,12 +312,17 @@ class Counters:
 
     def statistics(self, queue_waits: int) -> Statistics:
         per_thread: dict[str, int] = {}
+        helped: dict[str, int] = {}
         with self._lock:
             handed = 0
+            helping = 0.0
             for counts in self._threads:
                 per_thread[counts.thread] = per_thread.get(counts.thread, 0) + counts.nodes
                 handed += counts.handed_off
+                if counts.chunks_helped:
+                    helped[counts.thread] = helped.get(counts.thread, 0) + counts.chunks_helped
+                helping += counts.helping_seconds
             tasks, errors = self._tasks, self._errors
         nodes = sum(per_thread.values())
         return Statistics(MappingProxyType(per_thread), nodes - handed, handed, queue_waits,
-                          tasks, errors)
+                          tasks, errors, MappingProxyType(helped), helping)
