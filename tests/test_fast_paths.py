@@ -211,3 +211,23 @@ def test_errors_are_the_same_on_lean_and_general_paths(
     assert lean[0] is pargrad.BackwardError
     if case.startswith("saved output changed"):
         assert lean[1].startswith("TanhBackward: one of the tensors saved"), lean[1]
+
+
+ruleless = defop("ruleless", np.negative)
+ruleless2 = defop("ruleless2", np.multiply)
+
+
+@pytest.mark.parametrize("call", [lambda x: ruleless(x), lambda x: ruleless2(x, 2.0),
+                                  lambda x: ruleless2(x, x)],
+                         ids=["one Tensor", "Tensor and scalar", "two Tensors"])
+def test_an_argument_without_a_rule_fails_in_the_forward_on_every_path(
+        call: Any, general: Any) -> None:
+    x = pargrad.tensor(np.arange(3.0), requires_grad=True)
+    with pytest.raises(TypeError) as lean:
+        call(x)
+    general.on()
+    with pytest.raises(TypeError) as slow:
+        call(x)
+    assert str(lean.value) == str(slow.value)
+    assert str(lean.value).startswith("ruleless")
+    assert "no gradient rule for argument 0" in str(lean.value)

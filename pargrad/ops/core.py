@@ -169,8 +169,9 @@ class Op:
         """Run the forward on the arguments' arrays; record a node if a gradient is needed.
 
         The lean path of the common case: operands that are Tensors (not views), arrays
-        or scalars, one output. It does what ``outputs`` does in one pass; anything it
-        does not handle goes to ``outputs``, which also raises the errors.
+        or scalars, one output. It does what ``outputs`` does in one pass, without a loop
+        for one Tensor alone or beside a Python scalar (``OpNode.record_one``); anything
+        it does not handle goes to ``outputs``, which also raises the errors.
         """
         if not self.lean:
             return self.outputs(*args, **params)[0]
@@ -310,7 +311,6 @@ def metas_of(metas: list[Meta | None]) -> tuple[Meta | None, ...]:
 # ``_input_meta`` of an array-and-scalar call (``x * 2.0``) by the array's interned
 # ``(meta,)`` (``OpNode.record_one``), as ``_metas``.
 _and_none: dict[tuple[Meta], tuple[Meta | None, ...]] = {}
-
 
 
 def meta_and_none(found: tuple[Meta]) -> tuple[Meta | None, ...]:
@@ -464,7 +464,8 @@ class OpNode(Node):
     ) -> None:
         self.record(op, args, arrays, params, outs, device)
 
-    # Run for every recorded op: the node's fields set in one frame (no helper calls).
+    # Run for every recorded op but the most common calls (record_one): one pass over the
+    # arguments, no helper calls but _keep.
     def record(
         self, op: Op, args: Sequence[Any], arrays: Sequence[Any], params: dict[str, Any],
         outs: tuple[np.ndarray, ...], device: Device,
@@ -512,6 +513,8 @@ class OpNode(Node):
         """``record`` for the most common call: ``x``, a Tensor that requires grad, alone
         or followed by one Python scalar (``tanh(x)``, ``x * 2.0``); straight-line code,
         no loop over the arguments."""
+        if op.ruled == 0:  # fail in the forward, where the call is visible
+            raise TypeError(f"{op.name}: no gradient rule for argument 0")
         fn = x.grad_fn
         edge = (fn, x.output_nr) if fn is not None else x._edge()
         array = arrays[0]
@@ -522,8 +525,6 @@ class OpNode(Node):
         else:
             self.next_functions = (edge, NO_EDGE)
             self._input_meta = _and_none.get(found) or meta_and_none(found)
-            if op.ruled == 0:  # fail in the forward, where the call is visible
-                raise TypeError(f"{op.name}: no gradient rule for argument 0")
         self._keep(op, args, arrays, params, outs, device, 1, 1, array.size)
 
     def _keep(
