@@ -213,7 +213,8 @@ def branches_at_once_after_a_timeout(budget: int | None) -> int:
     with pargrad.ThreadedEngine(workers=3, handoff_threshold=0,
                                 memory_budget=budget) as engine:
         held = [pargrad.tensor(np.ones(1), requires_grad=True) for _ in range(3)]
-        blocked = pargrad.backward_async([Hold.apply(h).sum() for h in held], engine=engine)
+        # One backward each (the roots of one would go to one worker together).
+        blocked = [pargrad.backward_async(Hold.apply(h).sum(), engine=engine) for h in held]
         deadline = time.monotonic() + WAIT
         while Hold.started < 3:  # every worker is stuck
             assert time.monotonic() < deadline, "the workers never took the held nodes"
@@ -224,11 +225,12 @@ def branches_at_once_after_a_timeout(budget: int | None) -> int:
         loss = Spread.apply(*[Meet.apply(x) for x in xs]).sum()
         other = pargrad.backward_async(loss, engine=engine)
         with pytest.raises(concurrent.futures.TimeoutError):
-            blocked.result(timeout=timeout)  # helps: takes other's root, runs Spread
+            blocked[0].result(timeout=timeout)  # helps: takes other's root, runs Spread
         assert Spread.ran_on == threading.current_thread().name
         assert Meet.most == 0 and not other.done()  # the branches went back on the queue
         Hold.release.set()  # three idle workers take what is on the queue
-        assert other.result(timeout=WAIT) is None and blocked.result(timeout=WAIT) is None
+        assert other.result(timeout=WAIT) is None
+        assert all(b.result(timeout=WAIT) is None for b in blocked)
     for x in xs:
         assert x.grad is not None
         np.testing.assert_array_equal(x.grad.data, 1.0)
@@ -243,3 +245,27 @@ def test_a_result_timeout_hands_back_what_it_kept_within_the_budget() -> None:
     assert branches_at_once_after_a_timeout(N * 8) == 2
     # Without a budget all three are handed off, and run at once (the test sees it).
     assert branches_at_once_after_a_timeout(None) == 3
+
+
+# ----- execute_async: the roots go to one thread within a budget -----
+
+def roots_at_once_async(budget: int | None) -> int:
+    """How many of three roots' branches run at once in an asynchronous backward (no
+    calling thread runs it: workers take the roots)."""
+    Meet.running, Meet.most, Meet.patience = 0, 0, 1.0
+    with pargrad.ThreadedEngine(workers=3, handoff_threshold=0,
+                                memory_budget=budget) as engine:
+        xs = [pargrad.tensor(np.ones(N), requires_grad=True) for _ in range(3)]
+        future = pargrad.backward_async([Meet.apply(x).sum() for x in xs], engine=engine)
+        assert future.result(timeout=WAIT) is None
+    for x in xs:
+        assert x.grad is not None
+        np.testing.assert_array_equal(x.grad.data, 1.0)
+    return Meet.most
+
+
+@pytest.mark.timeout(120)
+def test_an_async_backward_hands_its_roots_on_within_the_budget() -> None:
+    assert roots_at_once_async(0) == 1  # one thread runs it all, as the reference
+    assert roots_at_once_async(N * 8) <= 2  # at most one branch admitted beside it
+    assert roots_at_once_async(None) == 3  # without a budget each root has a worker

@@ -427,17 +427,29 @@ def _interrupted(task: GraphTask, local: Local, gate: Gate, owner: GraphTask | N
 
 def _requeue(engine: Scheduler, task: GraphTask, local: Local) -> None:
     """Hand the nodes kept on ``local`` (counted already, so the task's count is
-    unchanged) on to one other thread: one NodeTask on the ReadyQueue, of the first of
-    them, carrying the rest (``NodeTask.kept``). Whole, because this thread kept them:
-    cheap nodes not worth a hand-off each, or nodes the memory budget did not admit
+    unchanged) on to one other thread (``together``). Whole, because this thread kept
+    them: cheap nodes not worth a hand-off each, or nodes the memory budget did not admit
     (``_hand_off``). Run by one thread in the reference's order, as this thread would
     have run them, they add no parallelism, so no gradients beyond the budget; one by
-    one, each would be a hand-off the budget never admitted. (The thread that takes them
-    counts the first as handed off in ``statistics()``, the rest as inline.)"""
+    one, each would be a hand-off the budget never admitted."""
     assert not task.serial  # its nodes never reach a ReadyQueue, so never a waiter
-    _, node, grads = heapq.heappop(local)  # the heap's first (all of device ``at``)
-    enqueue(engine._pool.queue(node.device), NodeTask(task, node, grads, kept=local[:] or None))
+    together(engine, task, local)
     local.clear()
+
+
+def together(engine: Scheduler, task: GraphTask, entries: Local) -> None:
+    """Put ``entries`` (ready nodes of ``task``, counted) on the ReadyQueues as one
+    NodeTask per device: that of the device's newest node, carrying the rest
+    (``NodeTask.kept``), so that one thread runs them all, in the reference's order. (The
+    thread that takes them counts the first as handed off in ``statistics()``, the rest
+    as inline.)"""
+    by_device: dict[Device, Local] = {}
+    for entry in entries:
+        by_device.setdefault(entry[1].device, []).append(entry)
+    for device, heap in by_device.items():
+        heapq.heapify(heap)
+        _, node, grads = heapq.heappop(heap)
+        enqueue(engine._pool.queue(device), NodeTask(task, node, grads, kept=heap or None))
 
 
 def _record_ready(records: list[Log], node: Node, task: GraphTask) -> None:

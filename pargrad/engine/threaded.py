@@ -81,6 +81,7 @@ from pargrad.engine.loop import (
     start_helper,
     state,
     thread_main,
+    together,
     waits_for_itself,
     worker_main,
 )
@@ -511,6 +512,12 @@ class ThreadedEngine(Engine):
                     return future
                 if task.serial:  # every node on one thread, in the reference's order
                     start_helper(pool, task, ready, home, queue, "async")
+                elif self.memory_budget is not None:
+                    # The roots go to one thread together, which hands on what they make
+                    # ready within the budget: one each, they would be hand-offs the
+                    # budget never admitted (with 0, several would run at once).
+                    together(self, task, [(-node.sequence_nr, node, gathered)
+                                          for node, gathered in ready])
                 else:
                     for node, gathered in ready:
                         enqueue(pool.queue(node.device), NodeTask(task, node, gathered))
