@@ -6,10 +6,12 @@ Counts the bytecode instructions the interpreter executes (``sys.settrace`` with
 backward on the reference engine and on ``ThreadedEngine(workers=1)`` (which runs a chain
 inline). numpy's own C work is not counted: only the Python around it.
 
-Unlike a time, the count is the same on every run and on a busy machine, so a hot-path
-change can be judged by it where timing noise (here ±20%) hides a 5% change; on this
-machine one instruction of the hot path costs about 10 ns (docs/performance.md). A
-program, not a test.
+Unlike a time, the count is the same on every run and on a busy machine, so it shows at
+once what a hot-path change removed where timing noise (here ±20%) hides a 5% change. It
+is a guide, not a time: on this machine the hot path's instructions average about 10 ns,
+but a call, an allocation (and the garbage collection it brings) costs far more than a
+tight loop's instruction (docs/performance.md); confirm a change by interleaved timing.
+A program, not a test.
 """
 
 from __future__ import annotations
