@@ -493,36 +493,37 @@ class Tensor:
         return _ops.dispatch_function(func, args, kwargs)
 
     # ----- operators -----
+    # On the hot path: they call ``Op.call`` (no keyword dict, no ``__call__`` lookup).
 
     def __add__(self, other: Any) -> Tensor:
-        return _ops.add(self, other)
+        return _ops.add.call((self, other), _NO_PARAMS)
 
     def __radd__(self, other: Any) -> Tensor:
-        return _ops.add(other, self)
+        return _ops.add.call((other, self), _NO_PARAMS)
 
     def __sub__(self, other: Any) -> Tensor:
-        return _ops.subtract(self, other)
+        return _ops.subtract.call((self, other), _NO_PARAMS)
 
     def __rsub__(self, other: Any) -> Tensor:
-        return _ops.subtract(other, self)
+        return _ops.subtract.call((other, self), _NO_PARAMS)
 
     def __mul__(self, other: Any) -> Tensor:
-        return _ops.multiply(self, other)
+        return _ops.multiply.call((self, other), _NO_PARAMS)
 
     def __rmul__(self, other: Any) -> Tensor:
-        return _ops.multiply(other, self)
+        return _ops.multiply.call((other, self), _NO_PARAMS)
 
     def __truediv__(self, other: Any) -> Tensor:
-        return _ops.divide(self, other)
+        return _ops.divide.call((self, other), _NO_PARAMS)
 
     def __rtruediv__(self, other: Any) -> Tensor:
-        return _ops.divide(other, self)
+        return _ops.divide.call((other, self), _NO_PARAMS)
 
     def __pow__(self, other: Any) -> Tensor:
-        return _ops.power(self, other)
+        return _ops.power.call((self, other), _NO_PARAMS)
 
     def __rpow__(self, other: Any) -> Tensor:
-        return _ops.power(other, self)
+        return _ops.power.call((other, self), _NO_PARAMS)
 
     # In-place operators (``w -= lr * g``) and methods (``w.sub_(lr * g)``) write into
     # the tensor's memory and bump its version; see pargrad/ops/inplace.py.
@@ -927,6 +928,8 @@ set_gradient_view(lambda array, device: Tensor._make(array, device=device))
 # imports this module, binds these two names when it is imported (``bind_ops``).
 if not TYPE_CHECKING:
     _ops = _inplace = None
+_NO_PARAMS: dict[str, Any] = {}
+"""The parameters the operators pass to ``Op.call``: none (shared, never written)."""
 
 
 def bind_ops(ops: ModuleType, inplace: ModuleType) -> None:

@@ -3,9 +3,9 @@
 An ``Op`` is called as ``op(*args, **params)``, so ``help()`` and ``inspect.signature`` on
 one show its class. Each function here is a real ``def`` with the op's own parameters and
 a docstring that says what it computes and its gradient rule (``g`` is the incoming
-gradient, ``ans`` the output); it calls the op with exactly those arguments, so it adds
-one Python call and nothing else (no ``*args`` repacking). Tensor's operators and
-methods, and the gradient rules, call the ops themselves.
+gradient, ``ans`` the output); it calls the op (``Op.call``) with exactly those
+arguments, so it adds one Python call and nothing else (no ``*args`` repacking).
+Tensor's operators and methods, and the gradient rules, call the ops themselves.
 
 >>> import pargrad
 >>> import inspect
@@ -20,7 +20,7 @@ from typing import Any
 
 from pargrad.ops import elementwise as _e
 from pargrad.ops import linalg as _l
-from pargrad.ops.core import Op
+from pargrad.ops.core import NO_PARAMS, Op
 from pargrad.tensor import Tensor
 
 Function = Callable[..., Tensor]
@@ -30,8 +30,8 @@ def _function(op: Op, parameters: str, doc: str) -> Function:
     """A function named after ``op`` that takes ``parameters`` (Python source, positional
     data arguments only) and calls ``op`` with them."""
     name = op.name if op.name != "absolute" else "abs"
-    namespace: dict[str, Any] = {"_op": op}
-    exec(f"def {name}({parameters}):\n    return _op({parameters})\n", namespace)
+    namespace: dict[str, Any] = {"_call": op.call, "_none": NO_PARAMS}
+    exec(f"def {name}({parameters}):\n    return _call(({parameters},), _none)\n", namespace)
     function: Function = namespace[name]
     function.__doc__ = doc
     function.__module__ = "pargrad"
