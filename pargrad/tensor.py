@@ -871,6 +871,9 @@ def input_edges(args: Sequence[Any]) -> tuple[tuple[Edge, ...], tuple[Meta | Non
     return tuple(edges), tuple(metas)
 
 
+_new = object.__new__
+
+
 def saved_versions(tensors: Sequence[Any], which: Iterable[int] | None = None, *,
                    outputs: bool = False) -> Saved:
     """The versions of the Tensors among ``tensors`` (those at ``which``, or all) now, as
@@ -880,7 +883,12 @@ def saved_versions(tensors: Sequence[Any], which: Iterable[int] | None = None, *
         t = tensors[i]
         if isinstance(t, Tensor):
             counter = t._counter or counter_of(t)  # made on first use, then never replaced
-            saved.append(SavedVersion(-1 - i if outputs else i, counter, counter.value, t.data))
+            record = _new(SavedVersion)  # SavedVersion(...) without a call per record
+            record.where = -1 - i if outputs else i
+            record.counter = counter
+            record.version = counter.value
+            record.array = t.data
+            saved.append(record)
     return tuple(saved)
 
 
