@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from pargrad.ops import large
 from pargrad.parallel import for_chunks
 
 Kernel = Callable[..., None]
@@ -123,20 +124,32 @@ that streams memory gains little from a second core (1.15x at 4*10^6 elements, 0
 
 
 def elementwise(name: str, g: np.ndarray, other: np.ndarray) -> np.ndarray | None:
-    """``kernel(name)`` run on ``g`` and ``other`` (contiguous float64 arrays of one
-    shape) into a fresh array, or None where there is no kernel for them (off, another
-    dtype, or a strided or broadcast array: numpy's form handles those)."""
+    """``kernel(name)`` run on ``g`` and ``other`` (float64 arrays of one shape, ``other``
+    contiguous) into a fresh array, or None where there is no kernel for them (off,
+    another dtype, or a strided array: numpy's form handles those). A ``g`` that is a
+    broadcast of one value (``large.uniform``: a ``sum``'s gradient) runs the kernel's
+    ``_scalar`` twin with that value, which reads one array instead of two."""
     if (g.dtype != np.float64 or other.dtype != np.float64 or g.shape != other.shape
-            or not g.flags.c_contiguous or not other.flags.c_contiguous):
+            or not other.flags.c_contiguous):
         return None
-    run = kernel(name)
+    value = large.uniform(g)
+    if value is None and not g.flags.c_contiguous:
+        return None
+    run = kernel(name if value is None else name + "_scalar")
     if run is None:
         return None
     out = np.empty(g.shape)
-    flat_out, flat_g, flat_other = out.reshape(-1), g.reshape(-1), other.reshape(-1)
-    if not for_chunks(out.size, lambda s: run(flat_out[s], flat_g[s], flat_other[s]),
-                      STREAMING_MIN):
-        run(flat_out, flat_g, flat_other)  # small, or no idle thread: in one call
+    flat_out, flat_other = out.reshape(-1), other.reshape(-1)
+    flat_g = g.reshape(-1) if value is None else None
+
+    def chunk(s: slice) -> None:
+        if flat_g is None:
+            run(flat_out[s], value, flat_other[s])
+        else:
+            run(flat_out[s], flat_g[s], flat_other[s])
+
+    if not for_chunks(out.size, chunk, STREAMING_MIN):
+        chunk(slice(None))  # small, or no idle thread: in one call
     return out
 
 
@@ -178,6 +191,22 @@ def _compile() -> dict[str, Kernel]:  # noqa: C901
         for i in range(out.size):
             out[i] = g[i] * (1.0 if x[i] > 0 else 0.0)
 
+    # The same with every g[i] the one value s (a broadcast gradient): the same bits.
+    @njit(nogil=True, cache=True)
+    def tanh_backward_scalar(out: Any, s: float, y: Any) -> None:
+        for i in range(out.size):
+            out[i] = s * (1.0 - y[i] * y[i])
+
+    @njit(nogil=True, cache=True)
+    def sigmoid_backward_scalar(out: Any, s: float, y: Any) -> None:
+        for i in range(out.size):
+            out[i] = s * (y[i] * (1.0 - y[i]))
+
+    @njit(nogil=True, cache=True)
+    def relu_backward_scalar(out: Any, s: float, x: Any) -> None:
+        for i in range(out.size):
+            out[i] = s * (1.0 if x[i] > 0 else 0.0)
+
     # Two-dimensional: rows along the last axis.
     @njit(nogil=True, cache=True)
     def softmax_backward(out: Any, g: Any, ans: Any) -> None:
@@ -199,4 +228,7 @@ def _compile() -> dict[str, Kernel]:  # noqa: C901
 
     return {"tanh_backward": tanh_backward, "sigmoid_backward": sigmoid_backward,
             "relu_backward": relu_backward, "softmax_backward": softmax_backward,
+            "tanh_backward_scalar": tanh_backward_scalar,
+            "sigmoid_backward_scalar": sigmoid_backward_scalar,
+            "relu_backward_scalar": relu_backward_scalar,
             "log_softmax_backward": log_softmax_backward}
