@@ -123,33 +123,35 @@ that streams memory gains little from a second core (1.15x at 4*10^6 elements, 0
 6*10^5, docs/performance.md)."""
 
 
+_F64 = np.dtype(np.float64)  # numpy's one native float64 dtype: `is` is its cheap test
+
+
 def elementwise(name: str, g: np.ndarray, other: np.ndarray) -> np.ndarray | None:
     """``kernel(name)`` run on ``g`` and ``other`` (float64 arrays of one shape, ``other``
     contiguous) into a fresh array, or None where there is no kernel for them (off,
     another dtype, or a strided array: numpy's form handles those). A ``g`` that is a
     broadcast of one value (``large.uniform``: a ``sum``'s gradient) runs the kernel's
     ``_scalar`` twin with that value, which reads one array instead of two."""
-    if (g.dtype != np.float64 or other.dtype != np.float64 or g.shape != other.shape
+    if (g.dtype is not _F64 or other.dtype is not _F64 or g.shape != other.shape
             or not other.flags.c_contiguous):
         return None
-    value = large.uniform(g)
-    if value is None and not g.flags.c_contiguous:
+    if g.flags.c_contiguous:
+        first: Any = g.reshape(-1)
+        run = kernel(name)
+    elif (first := large.uniform(g)) is not None:
+        run = kernel(name + "_scalar")
+    else:
         return None
-    run = kernel(name if value is None else name + "_scalar")
     if run is None:
         return None
     out = np.empty(g.shape)
     flat_out, flat_other = out.reshape(-1), other.reshape(-1)
-    flat_g = g.reshape(-1) if value is None else None
-
-    def chunk(s: slice) -> None:
-        if flat_g is None:
-            run(flat_out[s], value, flat_other[s])
-        else:
-            run(flat_out[s], flat_g[s], flat_other[s])
-
-    if not for_chunks(out.size, chunk, STREAMING_MIN):
-        chunk(slice(None))  # small, or no idle thread: in one call
+    if out.size >= STREAMING_MIN:
+        scalar = first.ndim == 0
+        if for_chunks(out.size, lambda s: run(flat_out[s], first if scalar else first[s],
+                                              flat_other[s]), STREAMING_MIN):
+            return out
+    run(flat_out, first, flat_other)  # small, or no idle thread: in one call
     return out
 
 
