@@ -17,11 +17,11 @@ Guarantees:
 - The elementwise kernels (tanh, sigmoid, relu) do the numpy form's arithmetic in its
   order: the same bits. Each has a ``_scalar`` twin, ``kernel(out, s, input)``, for a
   gradient that is a broadcast of the one value ``s`` (a ``sum``'s): the same
-  arithmetic on the same numbers, reading one array instead of two. softmax and log_softmax sum each row in order (numpy sums
-  pairwise) and use numba's ``exp``: within a few ulps of the numpy form, not the same
-  bits. Every engine runs the same rule, so deterministic mode stays bitwise equal
-  across engines *with the same kernel set*: compare runs with the kernels on, or both
-  with them off.
+  arithmetic on the same numbers, reading one array instead of two. softmax and
+  log_softmax sum each row in order (numpy sums pairwise) and use numba's ``exp``:
+  within a few ulps of the numpy form, not the same bits. Every engine runs the same
+  rule, so deterministic mode stays bitwise equal across engines *with the same kernel
+  set*: compare runs with the kernels on, or both with them off.
 - Compiled on first use (under ``_compile_lock``; each kernel again at its first call
   with new argument types), with numba's on-disk cache (``cache=True``), so later
   processes load them instead of compiling. Measured here: the first kernel call of a
@@ -94,9 +94,9 @@ def kernel(name: str) -> Kernel | None:
     """The compiled kernel ``name`` (``tanh_backward``, ``sigmoid_backward``,
     ``relu_backward``, their twins for a gradient of one value ``tanh_backward_scalar``,
     ``sigmoid_backward_scalar``, ``relu_backward_scalar``, and ``softmax_backward``,
-    ``log_softmax_backward``), or None where
-    the kernels are off. The first call in a process imports numba and makes them all
-    (blocking; see the module's guarantees for what it costs)."""
+    ``log_softmax_backward``), or None where the kernels are off. The first call in a
+    process imports numba and makes them all (blocking; see the module's guarantees for
+    what it costs)."""
     if not _enabled:
         return None
     found = _kernels.get(name)
