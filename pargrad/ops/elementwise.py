@@ -32,9 +32,20 @@ add = defop("add", np.add,
 subtract = defop("subtract", np.subtract,
                  lambda g, ans, x, y: g,
                  lambda g, ans, x, y: -g, needs_values=False)
+
+
+def _times(g: Any, other: Any) -> Any:
+    # A broadcast of one value (a sum's gradient) times a scalar stays a broadcast: the
+    # same bits as g * other, without a pass over the array.
+    if (g.size >= large.OUT_MIN and type(g) is np.ndarray and large.scalar(other)
+            and (value := large.uniform(g)) is not None):
+        return np.broadcast_to(value * other, g.shape)
+    return g * other
+
+
 multiply = defop("multiply", np.multiply,
-                 lambda g, ans, x, y: g * y,
-                 lambda g, ans, x, y: g * x)
+                 lambda g, ans, x, y: _times(g, y),
+                 lambda g, ans, x, y: _times(g, x))
 
 
 def _divide_divisor_rule(g: Any, ans: Any, x: Any, y: Any) -> Any:
@@ -165,7 +176,7 @@ def _tanh_rule(g: Any, ans: Any, x: Any) -> Any:
             return out
         out = np.multiply(ans, ans)
         np.subtract(1, out, out=out)
-        return np.multiply(g, out, out=out)
+        return large.times_into(g, out)
     return g * (1 - ans * ans)
 
 
@@ -176,7 +187,7 @@ def _sigmoid_rule(g: Any, ans: Any, x: Any) -> Any:
             return out
         out = np.subtract(1, ans)
         np.multiply(ans, out, out=out)
-        return np.multiply(g, out, out=out)
+        return large.times_into(g, out)
     return g * (ans * (1 - ans))
 
 

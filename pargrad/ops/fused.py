@@ -15,11 +15,13 @@ Guarantees:
   in chunks that idle engine threads help with, each chunk written in place
   (``parallel.for_chunks``).
 - The elementwise kernels (tanh, sigmoid, relu) do the numpy form's arithmetic in its
-  order: the same bits. softmax and log_softmax sum each row in order (numpy sums
-  pairwise) and use numba's ``exp``: within a few ulps of the numpy form, not the same
-  bits. Every engine runs the same rule, so deterministic mode stays bitwise equal
-  across engines *with the same kernel set*: compare runs with the kernels on, or both
-  with them off.
+  order: the same bits. Each has a ``_scalar`` twin, ``kernel(out, s, input)``, for a
+  gradient that is a broadcast of the one value ``s`` (a ``sum``'s): the same
+  arithmetic on the same numbers, reading one array instead of two. softmax and
+  log_softmax sum each row in order (numpy sums pairwise) and use numba's ``exp``:
+  within a few ulps of the numpy form, not the same bits. Every engine runs the same
+  rule, so deterministic mode stays bitwise equal across engines *with the same kernel
+  set*: compare runs with the kernels on, or both with them off.
 - Compiled on first use (under ``_compile_lock``; each kernel again at its first call
   with new argument types), with numba's on-disk cache (``cache=True``), so later
   processes load them instead of compiling. Measured here: the first kernel call of a
@@ -46,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from pargrad.ops import large
 from pargrad.parallel import for_chunks
 
 Kernel = Callable[..., None]
@@ -89,9 +92,11 @@ def set_enabled(flag: bool) -> bool:
 
 def kernel(name: str) -> Kernel | None:
     """The compiled kernel ``name`` (``tanh_backward``, ``sigmoid_backward``,
-    ``relu_backward``, ``softmax_backward``, ``log_softmax_backward``), or None where
-    the kernels are off. The first call in a process imports numba and makes them all
-    (blocking; see the module's guarantees for what it costs)."""
+    ``relu_backward``, their twins for a gradient of one value ``tanh_backward_scalar``,
+    ``sigmoid_backward_scalar``, ``relu_backward_scalar``, and ``softmax_backward``,
+    ``log_softmax_backward``), or None where the kernels are off. The first call in a
+    process imports numba and makes them all (blocking; see the module's guarantees for
+    what it costs)."""
     if not _enabled:
         return None
     found = _kernels.get(name)
@@ -122,21 +127,35 @@ that streams memory gains little from a second core (1.15x at 4*10^6 elements, 0
 6*10^5, docs/performance.md)."""
 
 
+_F64 = np.dtype(np.float64)  # numpy's one native float64 dtype: `is` is its cheap test
+
+
 def elementwise(name: str, g: np.ndarray, other: np.ndarray) -> np.ndarray | None:
-    """``kernel(name)`` run on ``g`` and ``other`` (contiguous float64 arrays of one
-    shape) into a fresh array, or None where there is no kernel for them (off, another
-    dtype, or a strided or broadcast array: numpy's form handles those)."""
-    if (g.dtype != np.float64 or other.dtype != np.float64 or g.shape != other.shape
-            or not g.flags.c_contiguous or not other.flags.c_contiguous):
+    """``kernel(name)`` run on ``g`` and ``other`` (float64 arrays of one shape, ``other``
+    contiguous) into a fresh array, or None where there is no kernel for them (off,
+    another dtype, or a strided array: numpy's form handles those). A ``g`` that is a
+    broadcast of one value (``large.uniform``: a ``sum``'s gradient) runs the kernel's
+    ``_scalar`` twin with that value, which reads one array instead of two."""
+    if (g.dtype is not _F64 or other.dtype is not _F64 or g.shape != other.shape
+            or not other.flags.c_contiguous):
         return None
-    run = kernel(name)
+    if g.flags.c_contiguous:
+        first: Any = g.reshape(-1)
+        run = kernel(name)
+    elif (first := large.uniform(g)) is not None:
+        run = kernel(name + "_scalar")
+    else:
+        return None
     if run is None:
         return None
     out = np.empty(g.shape)
-    flat_out, flat_g, flat_other = out.reshape(-1), g.reshape(-1), other.reshape(-1)
-    if not for_chunks(out.size, lambda s: run(flat_out[s], flat_g[s], flat_other[s]),
-                      STREAMING_MIN):
-        run(flat_out, flat_g, flat_other)  # small, or no idle thread: in one call
+    flat_out, flat_other = out.reshape(-1), other.reshape(-1)
+    if out.size >= STREAMING_MIN:
+        scalar = first.ndim == 0
+        if for_chunks(out.size, lambda s: run(flat_out[s], first if scalar else first[s],
+                                              flat_other[s]), STREAMING_MIN):
+            return out
+    run(flat_out, first, flat_other)  # small, or no idle thread: in one call
     return out
 
 
@@ -178,6 +197,22 @@ def _compile() -> dict[str, Kernel]:  # noqa: C901
         for i in range(out.size):
             out[i] = g[i] * (1.0 if x[i] > 0 else 0.0)
 
+    # The same with every g[i] the one value s (a broadcast gradient): the same bits.
+    @njit(nogil=True, cache=True)
+    def tanh_backward_scalar(out: Any, s: float, y: Any) -> None:
+        for i in range(out.size):
+            out[i] = s * (1.0 - y[i] * y[i])
+
+    @njit(nogil=True, cache=True)
+    def sigmoid_backward_scalar(out: Any, s: float, y: Any) -> None:
+        for i in range(out.size):
+            out[i] = s * (y[i] * (1.0 - y[i]))
+
+    @njit(nogil=True, cache=True)
+    def relu_backward_scalar(out: Any, s: float, x: Any) -> None:
+        for i in range(out.size):
+            out[i] = s * (1.0 if x[i] > 0 else 0.0)
+
     # Two-dimensional: rows along the last axis.
     @njit(nogil=True, cache=True)
     def softmax_backward(out: Any, g: Any, ans: Any) -> None:
@@ -199,4 +234,7 @@ def _compile() -> dict[str, Kernel]:  # noqa: C901
 
     return {"tanh_backward": tanh_backward, "sigmoid_backward": sigmoid_backward,
             "relu_backward": relu_backward, "softmax_backward": softmax_backward,
+            "tanh_backward_scalar": tanh_backward_scalar,
+            "sigmoid_backward_scalar": sigmoid_backward_scalar,
+            "relu_backward_scalar": relu_backward_scalar,
             "log_softmax_backward": log_softmax_backward}

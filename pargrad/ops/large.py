@@ -37,3 +37,32 @@ def plain(*arrays: Any) -> bool:
     (an attribute and a comparison; a call to this function would cost more).
     """
     return all(type(array) is _ndarray for array in arrays)
+
+
+def uniform(g: np.ndarray) -> Any:
+    """The one value of ``g`` (a numpy scalar) where ``g`` is a broadcast of it (every
+    stride 0, as ``sum``'s rule returns its gradient), else None.
+
+    A rule can then fold that value in as a scalar instead of reading an array: every
+    element gets the same arithmetic on the same numbers, so the same bits.
+    """
+    if g.size == 0 or any(g.strides):
+        return None
+    return g[(0,) * g.ndim]
+
+
+def scalar(value: Any) -> bool:
+    """Whether ``value`` is a number or a 0-d array (a rule may fold it as a scalar)."""
+    return type(value) in (float, int) or (
+        isinstance(value, (_ndarray, np.generic)) and value.ndim == 0)
+
+
+def times_into(g: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``g * out`` written into ``out`` (a buffer the rule made); ``out`` as it is where
+    ``g`` is a broadcast of 1 of ``out``'s real dtype (a loss's ``sum``): ``v * 1`` is
+    ``v`` exactly (NaNs and signed zeros included; not so for complex numbers), so one
+    pass fewer, the same bits."""
+    if (g.dtype == out.dtype and out.dtype.kind == "f" and (value := uniform(g)) is not None
+            and value == 1):
+        return out
+    return np.multiply(g, out, out=out)

@@ -35,6 +35,16 @@ def _unreduce(g: Any, axis: Axis, keepdims: bool) -> Any:
     return g if axis is None or keepdims else np.expand_dims(g, axis)
 
 
+def _spread(g: Any, shape: tuple[int, ...]) -> Any:
+    """``np.broadcast_to(g, shape)``: for a plain 0-d array of numbers (a full reduction's
+    gradient) the same read-only view made directly, in a fifth of broadcast_to's time."""
+    if type(g) is np.ndarray and g.ndim == 0 and g.dtype.kind in "fc":
+        view = np.ndarray(shape, g.dtype, g, 0, (0,) * len(shape))
+        view.flags.writeable = False
+        return view
+    return np.broadcast_to(g, shape)
+
+
 def _count(shape: tuple[int, ...], axis: Axis) -> int:
     return math.prod(shape) if axis is None else math.prod(shape[a] for a in axis)
 
@@ -91,14 +101,14 @@ def _cumsum_rule(g: Any, ans: Any, x: Any, *, axis: int) -> Any:
 
 
 # ----- reductions -----
+# Both rules return a read-only broadcast (mean's divides the reduced g first: the same
+# bits, no pass over the input's shape); later rules fold it (pargrad/ops/large.py).
 _sum = defop("sum", lambda x, *, axis, keepdims: np.sum(x, axis=axis, keepdims=keepdims),
-             lambda g, ans, x, *, axis, keepdims:
-                 np.broadcast_to(_unreduce(g, axis, keepdims), x.shape),
+             lambda g, ans, x, *, axis, keepdims: _spread(_unreduce(g, axis, keepdims), x.shape),
              needs_values=False)
 _mean = defop("mean", lambda x, *, axis, keepdims: np.mean(x, axis=axis, keepdims=keepdims),
               lambda g, ans, x, *, axis, keepdims:
-                  np.broadcast_to(_unreduce(g, axis, keepdims), x.shape)
-                  / (_count(x.shape, axis) or 1),
+                  _spread(_unreduce(g, axis, keepdims) / (_count(x.shape, axis) or 1), x.shape),
               needs_values=False)
 _max = defop("max", lambda x, *, axis, keepdims: np.max(x, axis=axis, keepdims=keepdims),
              _share_extremum)
