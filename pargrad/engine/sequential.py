@@ -98,21 +98,6 @@ def run_graph(roots: Sequence[Edge], grads: Sequence[Grad], counts: dict[Node, l
     # The ready list: (-sequence_nr, node, its gathered gradients), newest first.
     ready: list[tuple[int, Node, list[Grad | None]]] = []
 
-    def deliver(node: Node, output_nr: int, grad: Grad | None) -> None:
-        """Add ``grad`` to ``node``'s buffer and release the edge it came along."""
-        owed = counts[node]
-        buffer = buffers.get(node)
-        if buffer is None:
-            if len(owed) == 1 and owed[0] == 1:  # the one edge into a one-output node:
-                owed[0] = 0  # ready with just this gradient, no buffer needed (chains)
-                heapq.heappush(ready, (-node.sequence_nr, node, [grad]))
-                return
-            buffer = buffers[node] = InputBuffer(len(owed))
-        buffer.accumulate(output_nr, grad)
-        owed[output_nr] -= 1
-        if not any(owed):
-            heapq.heappush(ready, (-node.sequence_nr, node, buffers.pop(node).take()))
-
     for (node, output_nr), grad in zip(roots, grads):
         if node in counts:
             buffer = buffers.get(node)
@@ -144,17 +129,25 @@ def run_graph(roots: Sequence[Edge], grads: Sequence[Grad], counts: dict[Node, l
                 raise
             raise BackwardError(node.name(), f"{type(exc).__name__}: {exc}") from exc
         del grads_
+        # Deliver each gradient to the next node's buffer, releasing the edge it came
+        # along; a node whose counters reach zero is ready.
         for (next_node, input_nr), grad in zip(node.next_functions, outputs):
             if next_node is None:
                 continue
             owed = find(next_node)
             if owed is None:  # leads nowhere needed (with inputs)
                 continue
-            if owed == _ONE and next_node not in buffers:  # deliver's chain case, inline
-                owed[0] = 0
+            if owed == _ONE and next_node not in buffers:  # the one edge into a one-output
+                owed[0] = 0  # node: ready with just this gradient, no buffer needed (chains)
                 heappush(ready, (-next_node.sequence_nr, next_node, [grad]))
-            else:
-                deliver(next_node, input_nr, grad)
+                continue
+            buffer = buffers.get(next_node)
+            if buffer is None:
+                buffer = buffers[next_node] = InputBuffer(len(owed))
+            buffer.accumulate(input_nr, grad)
+            owed[input_nr] -= 1
+            if not any(owed):
+                heappush(ready, (-next_node.sequence_nr, next_node, buffers.pop(next_node).take()))
 
 
 _ONE = [1]
