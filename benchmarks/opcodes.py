@@ -42,11 +42,12 @@ def count(call: Callable[[], Any]) -> collections.Counter[str]:
         frame.f_trace_opcodes = True
         return local
 
+    previous = sys.gettrace()  # a debugger's or coverage's, put back after
     sys.settrace(start)
     try:
         call()
     finally:
-        sys.settrace(None)
+        sys.settrace(previous)
     return counts
 
 

@@ -331,3 +331,21 @@ def test_torch_translation_of_random_dags_is_op_for_op(recipe: object) -> None:
         if mine.grad is not None:
             np.testing.assert_allclose(mine.grad.numpy(), theirs.grad.numpy(),
                                        rtol=1e-10, atol=1e-12)
+
+
+def test_opcodes_counts_the_hot_path_per_op_and_per_node() -> None:
+    from benchmarks import opcodes
+
+    cases = opcodes.measure(ops=20)
+    assert set(cases) == {"forward tanh(x)", "forward x * 1.0001", "forward x * w",
+                          "backward per node, reference", "backward per node, threaded(1)"}
+    for name, (per, counts) in cases.items():
+        assert per > 50, name  # a recorded op or a node runs more than a few instructions
+        where = set(counts)
+        if name.startswith("forward"):
+            assert "core.py:call" in where and "tensor.py:_make" in where, name
+        else:
+            assert {"sequential.py:run_graph", "core.py:apply", "graph.py:reachable"} <= where
+    # The count does not depend on timing: the same call counts the same twice.
+    again = opcodes.measure(ops=20)
+    assert again["forward tanh(x)"][0] == cases["forward tanh(x)"][0]
