@@ -18,7 +18,7 @@ import dis
 import inspect
 import types
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -282,54 +282,49 @@ _make: Callable[..., Tensor] = Tensor._make.__func__  # type: ignore[attr-define
 NO_PARAMS: dict[str, Any] = {}
 """The parameters of an op called without any: one shared dict, never written."""
 
-# Interned ``((shape, dtype),)`` tuples: nodes of arrays alike share their metadata
-# instead of each holding tuples of their own (fewer objects for the garbage collector to
-# visit, on every node). Cleared when it grows past _METAS_MAX entries. A race between
-# threads only interns one tuple twice.
-_metas: dict[tuple[tuple[int, ...], np.dtype], tuple[Meta]] = {}
+# Interned metadata: nodes of arrays alike share their metadata tuples instead of each
+# holding tuples of their own (fewer objects for the garbage collector to visit, on every
+# node). The hot paths look a cache up themselves (``cache.get(key) or ...``) and call
+# these only to make what is missing. Each cache is emptied past _METAS_MAX entries; a
+# race between threads only interns one tuple twice.
 _METAS_MAX = 4096
+_metas: dict[tuple[tuple[int, ...], np.dtype], tuple[Meta]] = {}
+"""``(shape, dtype)`` -> ``((shape, dtype),)``: an output's metadata, an argument's."""
+_input_metas: dict[tuple[Meta | None, ...], tuple[Meta | None, ...]] = {}
+"""``_input_meta`` tuples (``(meta, None)`` for an array times a scalar...)."""
+_and_none: dict[tuple[Meta], tuple[Meta | None, ...]] = {}
+"""``(meta,)`` -> ``(meta, None)``: an array-and-scalar call's ``_input_meta``
+(``OpNode.record_one``)."""
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+def _intern(cache: dict[_K, _V], key: _K, value: _V) -> _V:
+    """``cache[key]``, which is ``value`` if it was missing."""
+    found = cache.get(key)
+    if found is None:
+        if len(cache) >= _METAS_MAX:
+            cache.clear()
+        found = cache[key] = value
+    return found
 
 
 def meta_of(array: np.ndarray) -> tuple[Meta]:
     """``((array.shape, array.dtype),)``, interned."""
     key = (array.shape, array.dtype)
-    found = _metas.get(key)
-    if found is None:
-        if len(_metas) >= _METAS_MAX:
-            _metas.clear()
-        found = _metas[key] = (key,)
-    return found
-
-
-# Interned ``_input_meta`` tuples, as ``_metas`` (``(meta, None)`` for an array times a
-# scalar...): one object fewer per node. Cleared past _METAS_MAX entries.
-_input_metas: dict[tuple[Meta | None, ...], tuple[Meta | None, ...]] = {}
+    return _metas.get(key) or _intern(_metas, key, (key,))
 
 
 def metas_of(metas: list[Meta | None]) -> tuple[Meta | None, ...]:
     """``tuple(metas)``, interned."""
     key = tuple(metas)
-    found = _input_metas.get(key)
-    if found is None:
-        if len(_input_metas) >= _METAS_MAX:
-            _input_metas.clear()
-        found = _input_metas[key] = key
-    return found
-
-
-# ``_input_meta`` of an array-and-scalar call (``x * 2.0``) by the array's interned
-# ``(meta,)`` (``OpNode.record_one``), as ``_metas``.
-_and_none: dict[tuple[Meta], tuple[Meta | None, ...]] = {}
+    return _input_metas.get(key) or _intern(_input_metas, key, key)
 
 
 def meta_and_none(found: tuple[Meta]) -> tuple[Meta | None, ...]:
     """``(meta, None)`` for ``found``, ``(meta,)``; interned."""
-    pair = _and_none.get(found)
-    if pair is None:
-        if len(_and_none) >= _METAS_MAX:
-            _and_none.clear()
-        pair = _and_none[found] = metas_of([found[0], None])
-    return pair
+    return _and_none.get(found) or _intern(_and_none, found, metas_of([found[0], None]))
 
 
 _UNREAD = tuple((None,) * n for n in range(8))
