@@ -59,6 +59,17 @@ def wait_idle(engine: pargrad.ThreadedEngine, count: int = 1) -> None:
         time.sleep(0.001)
 
 
+def forward_beside_an_idle_worker(engine: pargrad.ThreadedEngine, op: Any) -> None:
+    """Run ``op`` (which doubles) on 20 chunks' worth under ``engine`` once its one worker
+    waits for work, and check the result."""
+    engine.intra_op_helpers()  # starts the worker
+    wait_idle(engine)
+    x = np.arange(20 * CHUNK, dtype=np.float64)
+    with pargrad.use_engine(engine):
+        out = op(pargrad.tensor(x))
+    np.testing.assert_array_equal(out.data, x * 2.0)
+
+
 # ----- the results: bitwise the unchunked ones -----
 
 UNARY = ["tanh", "sigmoid", "exp", "log1p", "sqrt", "square", "sin", "cos", "relu",
@@ -160,12 +171,7 @@ def test_idle_workers_help_with_chunks(small_chunks: None) -> None:
     threads: set[str] = set()
     op = recording_op(threads, pause=0.02)
     with pargrad.ThreadedEngine(workers=1) as engine:
-        engine.intra_op_helpers()  # starts the worker
-        wait_idle(engine)
-        x = np.arange(20 * CHUNK, dtype=np.float64)
-        with pargrad.use_engine(engine):
-            out = op(pargrad.tensor(x))
-        np.testing.assert_array_equal(out.data, x * 2.0)
+        forward_beside_an_idle_worker(engine, op)
     assert threading.current_thread().name in threads
     assert any(name.startswith("pargrad-cpu-") for name in threads), threads
 
@@ -401,12 +407,7 @@ def test_chunks_an_idle_worker_ran_in_a_forward_are_counted_and_traced(
     threads: list[str] = []
     op = chunk_threads_op(threads)
     with pargrad.ThreadedEngine(workers=1, trace=True) as engine:
-        engine.intra_op_helpers()  # starts the worker
-        wait_idle(engine)
-        x = np.arange(20 * CHUNK, dtype=np.float64)
-        with pargrad.use_engine(engine):
-            out = op(pargrad.tensor(x))
-        np.testing.assert_array_equal(out.data, x * 2.0)
+        forward_beside_an_idle_worker(engine, op)
         helpers = helped_by(threads, threading.current_thread().name)
         assert set(helpers) == {"pargrad-cpu-0"}  # the worker helped (and no one else)
         check_seen(engine, helpers)
