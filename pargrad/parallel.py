@@ -42,7 +42,9 @@ import numpy as np
 Offer = Callable[["Job", int], int]
 """Hands a job to up to ``count`` idle threads; returns how many took it."""
 
-_min_elements = 1 << 19
+min_elements_ = 1 << 19
+"""``thresholds()[0]``, read as it is by the forward's hot path (``Op.call``); set it
+with ``set_thresholds``."""
 _chunk_elements = 1 << 16
 _helpers_finder: Callable[[], Offer | None] = lambda: None
 
@@ -50,18 +52,18 @@ _helpers_finder: Callable[[], Offer | None] = lambda: None
 def thresholds() -> tuple[int, int]:
     """``(min_elements, chunk_elements)``: calls with fewer output elements than the
     first are not cut; chunks have the second's elements (the last one fewer)."""
-    return _min_elements, _chunk_elements
+    return min_elements_, _chunk_elements
 
 
 def set_thresholds(min_elements: int, chunk_elements: int) -> tuple[int, int]:
     """Set ``thresholds()`` (for tests and tuning); return the previous ones. Not meant
     to change while other threads compute."""
-    global _min_elements, _chunk_elements
+    global min_elements_, _chunk_elements
     if chunk_elements < 1 or min_elements < 1:
         raise ValueError("parallel.set_thresholds: both must be positive, got "
                          f"{min_elements!r}, {chunk_elements!r}")
-    previous = _min_elements, _chunk_elements
-    _min_elements, _chunk_elements = min_elements, chunk_elements
+    previous = min_elements_, _chunk_elements
+    min_elements_, _chunk_elements = min_elements, chunk_elements
     return previous
 
 
@@ -76,7 +78,7 @@ def large(arrays: Sequence[Any]) -> bool:
     """Whether one of ``arrays`` has at least ``min_elements`` elements (cheap: the
     forward asks it of every elementwise op)."""
     for a in arrays:  # noqa: SIM110 (a loop: any() would make a generator per op)
-        if type(a) is np.ndarray and a.size >= _min_elements:
+        if type(a) is np.ndarray and a.size >= min_elements_:
             return True
     return False
 
@@ -93,7 +95,7 @@ def elementwise(fn: Callable[..., Any], args: Sequence[Any],
     if shape is None:
         return None
     size = int(np.prod(shape))
-    offer = _helpers(size, _min_elements)
+    offer = _helpers(size, min_elements_)
     if offer is None:  # small, or nobody could help: the plain call, as the reference's
         return None
     chunk = _chunk_elements
@@ -162,7 +164,7 @@ def for_chunks(size: int, body: Callable[[slice], None], minimum: int | None = N
     a cut would not pay: fewer than ``minimum`` elements (default ``min_elements``; a
     kernel that only streams memory gains later), or no thread could help. ``body``
     must write only its own piece."""
-    offer = _helpers(size, _min_elements if minimum is None else minimum)
+    offer = _helpers(size, min_elements_ if minimum is None else minimum)
     if offer is None:
         return False
     chunk = _chunk_elements

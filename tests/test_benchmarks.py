@@ -343,7 +343,7 @@ def test_opcodes_counts_the_hot_path_per_op_and_per_node() -> None:
         assert per > 50, name  # a recorded op or a node runs more than a few instructions
         where = set(counts)
         if name.startswith("forward"):
-            assert "core.py:call" in where and "tensor.py:_make" in where, name
+            assert "core.py:call" in where, name
         else:
             assert {"sequential.py:run_graph", "core.py:apply", "graph.py:reachable"} <= where
     # The count does not depend on timing: the same call counts the same twice.

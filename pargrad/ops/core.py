@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
-from pargrad import anomaly, grad_mode
+from pargrad import anomaly, grad_mode, parallel
 from pargrad.devices import CPU, Device, common_device
 from pargrad.grad_mode import is_grad_enabled
 from pargrad.graph import NO_EDGE, BackwardError, Edge, Grad, Meta, Node, next_sequence_nr
@@ -178,22 +178,28 @@ class Op:
         (an empty one may be shared).
 
         The lean path of the common case: operands that are Tensors (not views), arrays
-        or scalars, one output. It does what ``outputs`` does in one pass, without a loop
-        for one Tensor alone or beside a Python scalar (``OpNode.record_one``); anything
-        it does not handle goes to ``outputs``, which also raises the errors.
+        or scalars, one output. It does what ``outputs`` does in one pass; for one Tensor
+        alone or beside a Python scalar it also records the node and makes the result
+        Tensor in this frame, without a loop or a call; anything it does not handle goes
+        to ``outputs``, which also raises the errors.
         """
         if not self.lean:
             return self.outputs(*args, **params)[0]
         x: Any = args[0] if args else None
+        n = len(args)
         # The most common call: one Tensor, alone or followed by a Python scalar.
-        one = type(x) is Tensor and (len(args) == 1 or (
-            len(args) == 2 and (type(args[1]) is float or type(args[1]) is int)))
+        one = type(x) is Tensor and (n == 1 or (
+            n == 2 and (type(args[1]) is float or type(args[1]) is int)))
+        arrays: Sequence[Any]
+        held: tuple[Any, ...]  # arrays, when it is a tuple (the one-Tensor call)
         if one:
             if x._view is not None:
                 return self.outputs(*args, **params)[0]
             device: Device | None = x._device
             grad = x._requires_grad
-            arrays = [x.data, *args[1:]]
+            array = x.data
+            arrays = held = (array,) if n == 1 else (array, args[1])
+            big = self.cut_forward and array.size >= parallel.min_elements_
         else:
             arrays = []
             device = None
@@ -210,8 +216,9 @@ class Op:
                     return self.outputs(*args, **params)[0]
                 else:
                     arrays.append(a)
+            big = self.cut_forward and large(arrays)
         try:
-            if self.cut_forward and large(arrays):  # in chunks, helped by idle threads
+            if big:  # in chunks, helped by idle threads
                 out = elementwise(self.forward, arrays, params)
                 if out is None:
                     out = self.forward(*arrays, **params)
@@ -223,22 +230,70 @@ class Op:
             out = np.asarray(out)
         if device is None:
             device = CPU
-        if grad and grad_mode.mode.enabled:
-            if out.dtype.kind == "f":
-                node = _new(self.node_type)  # OpNode(...) without type.__call__'s dispatch
-                if one:
-                    node.record_one(self, x, args, arrays, params or NO_PARAMS, (out,), device)
+        node: OpNode | None = None
+        kind = out.dtype.kind if grad and grad_mode.mode.enabled else ""
+        if kind == "f":
+            node = _new(self.node_type)  # OpNode(...) without type.__call__'s dispatch
+            if not one:
+                node.record(self, args, arrays, params or NO_PARAMS, (out,), device)
+            else:
+                # One Tensor ``x`` that requires grad, alone or beside a scalar: OpNode.record
+                # written out for argument 0 alone having an edge (``live`` and ``tensors``
+                # 1), in this frame, since every op pays each call made here.
+                if not self.ruled:  # fail in the forward, where the call is visible
+                    raise TypeError(f"{self.name}: no gradient rule for argument 0")
+                fn = x.grad_fn
+                edge = (fn, x.output_nr) if fn is not None else x._edge()
+                found = _metas.get((array.shape, array.dtype)) or meta_of(array)
+                if n == 1:
+                    node.next_functions = (edge,)
+                    node._input_meta = found
                 else:
-                    node.record(self, args, arrays, params or NO_PARAMS, (out,), device)
-                result = _make(Tensor, out, node, 0, device)
-                if node.reads_output:  # a new tensor no other thread sees: no lock needed
-                    counter = result._counter = _new(VersionCounter)
-                    counter.value = 0
-                    node.output_counter = counter
-                return result
-            if out.dtype.kind in LOSSY_KINDS:
-                _refuse_lossy_mix(self.name, args, out.dtype)
-        return _make(Tensor, out, None, 0, device)
+                    node.next_functions = (edge, NO_EDGE)
+                    node._input_meta = _and_none.get(found) or meta_and_none(found)
+                node._output_meta = _metas.get((out.shape, out.dtype)) or meta_of(out)
+                node.cost = array.size + out.size
+                node._released = False
+                node.device = device
+                node.sequence_nr = next_sequence_nr()
+                node._hooks = None
+                node._forward_trace = anomaly.forward_trace() if anomaly.mode.enabled else None
+                node.op = self
+                node.params = params or NO_PARAMS
+                node.output_counter = None
+                if self.needs_values:
+                    plan = self._plans.get(1) or self.plan(1)
+                    node.reads_output = plan.output
+                    node.saved_outputs = (out,) if plan.output else None
+                    if plan.mask & 1:  # x's values: the Tensor and its array apart, its version
+                        node.saved_args = args
+                        node.saved_arrays = held
+                        node.saved_versions = saved_versions(args, plan.args)
+                    else:  # the scalar's at most
+                        node.saved_args = node.saved_arrays = held if plan.mask else _UNREAD[n]
+                        node.saved_versions = ()
+                else:
+                    node.saved_args = node.saved_outputs = None
+                    node.saved_arrays = (ShapeOf(array),) if n == 1 else (ShapeOf(array), args[1])
+                    node.saved_versions = ()
+                    node.reads_output = False
+        elif kind in LOSSY_KINDS:
+            _refuse_lossy_mix(self.name, args, out.dtype)
+        result = _new(Tensor)  # Tensor._make written out
+        result.data = out
+        result._device = device
+        result._requires_grad = node is not None
+        result.grad_fn = node
+        result.output_nr = 0
+        result._grad = result._accumulator = result._hooks = None
+        result._view = None
+        if node is not None and node.reads_output:  # a new tensor no other thread sees:
+            counter = result._counter = _new(VersionCounter)  # no lock for its counter
+            counter.value = 0
+            node.output_counter = counter
+        else:
+            result._counter = None
+        return result
 
     # Every unusual operand's case in one place (views, devices, several outputs).
     def outputs(self, *args: Any, **params: Any) -> tuple[Tensor, ...]:  # noqa: C901
@@ -510,27 +565,6 @@ class OpNode(Node):
                             else metas_of(metas))
         self._keep(op, args, arrays, params, outs, device, live, tensors, cost)
 
-    def record_one(
-        self, op: Op, x: Tensor, args: tuple[Any, ...], arrays: list[Any],
-        params: dict[str, Any], outs: tuple[np.ndarray], device: Device,
-    ) -> None:
-        """``record`` for the most common call: ``x``, a Tensor that requires grad, alone
-        or followed by one Python scalar (``tanh(x)``, ``x * 2.0``); straight-line code,
-        no loop over the arguments."""
-        if op.ruled == 0:  # fail in the forward, where the call is visible
-            raise TypeError(f"{op.name}: no gradient rule for argument 0")
-        fn = x.grad_fn
-        edge = (fn, x.output_nr) if fn is not None else x._edge()
-        array = arrays[0]
-        found = _metas.get((array.shape, array.dtype)) or meta_of(array)
-        if len(args) == 1:
-            self.next_functions = (edge,)
-            self._input_meta = found
-        else:
-            self.next_functions = (edge, NO_EDGE)
-            self._input_meta = _and_none.get(found) or meta_and_none(found)
-        self._keep(op, args, arrays, params, outs, device, 1, 1, array.size)
-
     def _keep(
         self, op: Op, args: Sequence[Any], arrays: Sequence[Any], params: dict[str, Any],
         outs: tuple[np.ndarray, ...], device: Device, live: int, tensors: int, cost: int,
@@ -748,6 +782,8 @@ def dispatch_ufunc(
     """``Tensor.__array_ufunc__``: route a numpy ufunc call to the matching op."""
     if method == "__call__" and not kwargs:
         op = UFUNC_OPS.get(ufunc)
+        if type(op) is Op:  # a rule's numpy call on Tensors: the op's hot path (Op.call)
+            return op.call(inputs, NO_PARAMS)
         if op is not None:
             return op(*inputs)
         if ufunc in CONSTANT_UFUNCS:
