@@ -269,18 +269,19 @@ class Node:
         return checked
 
     def _apply(self, grads: Sequence[Grad | None], retain_graph: bool) -> list[Grad | None]:
-        if not self.runs_without_grads and all(g is None for g in grads):
-            return [None] * len(self.next_functions)
+        if not self.runs_without_grads:
+            for g in grads:  # (a loop: all() would make a generator per node)
+                if g is not None:
+                    break
+            else:
+                return [None] * len(self.next_functions)
         if self._released:
             raise BackwardError(
                 self.name(),
                 "trying to backward through the graph a second time, but its saved values "
                 "were already freed; pass retain_graph=True to the first backward call",
             )
-        full = tuple(
-            np.zeros(shape, dtype) if g is None else g
-            for g, (shape, dtype) in zip(grads, self._output_meta)
-        ) if self.materialize_grads else tuple(grads)
+        full = _with_zeros(grads, self._output_meta) if self.materialize_grads else tuple(grads)
         hooks = self._hooks
         if hooks is not None and hooks.pre:
             full = self._run_pre_hooks(hooks, full)
@@ -312,16 +313,17 @@ class Node:
             if next_node is None or g is None or meta is None:
                 checked.append(None)
                 continue
-            if isinstance(g, (np.generic, int, float, list, tuple)):
-                g = np.asarray(g)
-            if not hasattr(g, "shape") or not hasattr(g, "dtype"):
-                raise BackwardError(
-                    self.name(),
-                    f"backward returned a {type(g).__name__} for input {i}; expected an "
-                    f"array, a Tensor or None",
-                )
+            if type(g) is not np.ndarray:  # (an array: the common case, no checks)
+                if isinstance(g, (np.generic, int, float, list, tuple)):
+                    g = np.asarray(g)
+                if not hasattr(g, "shape") or not hasattr(g, "dtype"):
+                    raise BackwardError(
+                        self.name(),
+                        f"backward returned a {type(g).__name__} for input {i}; expected "
+                        f"an array, a Tensor or None",
+                    )
             shape, dtype = meta
-            fitted = sum_to(g, shape)
+            fitted = g if g.shape == shape else sum_to(g, shape)
             if fitted is None:
                 raise BackwardError(
                     self.name(),
@@ -332,6 +334,16 @@ class Node:
                 fitted = fitted.astype(dtype)
             checked.append(fitted)
         return checked
+
+
+def _with_zeros(grads: Sequence[Grad | None], metas: tuple[Meta, ...]) -> tuple[Grad, ...]:
+    """``grads`` with zeros (of each output's shape and dtype) for the outputs that got no
+    gradient."""
+    for g in grads:  # (a loop: most nodes get every gradient, and this makes nothing)
+        if g is None:
+            return tuple(np.zeros(shape, dtype) if g is None else g
+                         for g, (shape, dtype) in zip(grads, metas))
+    return tuple(grads)
 
 
 # Guards the creation of every node's _hooks (two threads registering a first hook at

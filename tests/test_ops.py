@@ -277,3 +277,24 @@ def test_clip_with_broadcast_tensor_bounds(pair: tuple[Any, Any], data: st.DataO
     if np.any(np.abs(xb - lob) < 0.05) or np.any(np.abs(xb - lob - 2.0) < 0.05):
         return  # a finite difference would cross a kink
     check(lambda t, a, b: pargrad.clip(t, a, b), x, lo, hi)
+
+
+@given(pair=broadcast_pair(), dtype=st.sampled_from([np.float64, np.float32]),
+       data=st.data())
+def test_sum_to_sums_a_broadcast_gradient_back_as_np_sum_does(
+        pair: tuple[Any, Any], dtype: type, data: st.DataObject) -> None:
+    """``sum_to`` on a plain array (numpy's ufunc reduce, without np.sum's wrapper) and on
+    a Tensor (np.sum's dispatch) gives np.sum's bits, in the target's shape."""
+    from pargrad.shapes import sum_to
+
+    target = pair[0]
+    g = values(data.draw, np.broadcast_shapes(*pair), dtype)
+    lead = g.ndim - len(target)
+    axes = tuple(range(lead)) + tuple(lead + i for i, side in enumerate(target)
+                                      if side == 1 and g.shape[lead + i] != 1)
+    expected = np.sum(g, axis=axes, keepdims=True).reshape(target) if axes else g
+    for got in (sum_to(g, target), sum_to(pargrad.tensor(g), target).data):
+        assert got.shape == target and got.dtype == g.dtype
+        assert got.tobytes() == np.ascontiguousarray(expected).tobytes()
+    if g.ndim:  # a shape that target does not broadcast to: None
+        assert sum_to(g, (*g.shape[:-1], g.shape[-1] + 2)) is None

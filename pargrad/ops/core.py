@@ -27,6 +27,7 @@ from pargrad.devices import CPU, Device, common_device
 from pargrad.grad_mode import is_grad_enabled
 from pargrad.graph import NO_EDGE, BackwardError, Edge, Grad, Meta, Node, next_sequence_nr
 from pargrad.parallel import elementwise, large
+from pargrad.shapes import sum_to
 from pargrad.tensor import Tensor, check_saved_data, saved_versions
 from pargrad.versions import Saved, SavedVersion, VersionCounter, changed, check, counter_of
 from pargrad.views import refresh, view_of
@@ -632,12 +633,13 @@ class OpNode(Node):
         return True
 
     # Run for every node of a backward: the lean path kept in one frame.
-    def apply(self, grads: Sequence[Grad | None], *, retain_graph: bool) -> list[Grad | None]:  # noqa: C901, PLR0915
+    def apply(self, grads: Sequence[Grad | None], *, retain_graph: bool) -> list[Grad | None]:  # noqa: C901, PLR0912, PLR0915
         """``Node.apply``, with a lean path for the common case: one output whose gradient
         is a plain array, no hooks, values not freed, no graph of the backward recorded,
-        anomaly mode off. The rules run directly, and each gradient that already has its
-        input's shape and dtype is taken as it is; anything else goes through
-        ``Node.apply``'s checks, which raise the errors."""
+        anomaly mode off. The rules run directly; each gradient that is an array of its
+        input's dtype is taken as it is, summed back to the input's shape if the forward
+        broadcast it (``sum_to``); anything else goes through ``Node.apply``'s checks,
+        which raise the errors."""
         g = grads[0]
         args = self.saved_arrays
         op = self.op
@@ -670,9 +672,16 @@ class OpNode(Node):
                     r = rules[i](g, ans, *args, **params) if params else rules[i](g, ans, *args)
                 if fits:
                     meta = metas[i]
-                    fits = (type(r) is np.ndarray and r.shape == meta[0]  # type: ignore[index]
-                            and (r.dtype is meta[1]  # type: ignore[index]
-                                 or r.dtype == meta[1]))  # type: ignore[index]
+                    fits = type(r) is np.ndarray and (r.dtype is meta[1]  # type: ignore[index]
+                                                      or r.dtype == meta[1])  # type: ignore[index]
+                    if fits and r.shape != meta[0]:  # type: ignore[index]
+                        # Broadcast in the forward: summed back here (None: it does not
+                        # fit, and _check raises the error).
+                        summed = sum_to(r, meta[0])  # type: ignore[index]
+                        if summed is None:
+                            fits = False
+                        else:
+                            r = summed
                 results.append(r)
                 i += 1
         except BackwardError:
