@@ -132,6 +132,10 @@ class Op:
         # Per rule: whether it reads the output, and which arguments' values it reads.
         self.reads = tuple(_reads(rule) for rule in self.rules)
         self._plans: dict[int, Plan] = {}
+        # The plan of a call whose argument 0 alone has an edge (Op.call's one-Tensor path).
+        self.plan_one = self.plan(1)
+        # A ufunc of one array and scalars gives an array of that array's shape.
+        self.ufunc = isinstance(forward, np.ufunc)
 
     def __repr__(self) -> str:
         return f"<pargrad op {self.name}>"
@@ -252,7 +256,8 @@ class Op:
                 else:
                     node.next_functions = (edge, NO_EDGE)
                     node._input_meta = _and_none.get(found) or meta_and_none(found)
-                node._output_meta = _metas.get((out.shape, out.dtype)) or meta_of(out)
+                node._output_meta = (found if self.ufunc and out.dtype is array.dtype  # x's
+                                     else _metas.get((out.shape, out.dtype)) or meta_of(out))
                 node.cost = array.size + out.size
                 node._released = False
                 node.device = device
@@ -263,7 +268,7 @@ class Op:
                 node.params = params or NO_PARAMS
                 node.output_counter = None
                 if self.needs_values:
-                    plan = self._plans.get(1) or self.plan(1)
+                    plan = self.plan_one
                     node.reads_output = plan.output
                     node.saved_outputs = (out,) if plan.output else None
                     if plan.mask & 1:  # x's values: the Tensor and its array apart, its version
