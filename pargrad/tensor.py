@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -485,6 +485,10 @@ class Tensor:
     # ----- numpy interoperability -----
 
     def __array_ufunc__(self, ufunc: np.ufunc, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        if method == "__call__" and not kwargs:  # a rule's np.cos(t): the op's Op.call
+            call = _ufunc_calls.get(ufunc)
+            if call is not None:
+                return call(inputs, _NO_PARAMS)
         return _ops.dispatch_ufunc(ufunc, method, inputs, kwargs)
 
     def __array_function__(
@@ -936,6 +940,8 @@ set_gradient_view(lambda array, device: Tensor._make(array, device=device))
 # imports this module, binds these two names when it is imported (``bind_ops``).
 if not TYPE_CHECKING:
     _ops = _inplace = None
+_ufunc_calls: dict[np.ufunc, Callable[[tuple[Any, ...], dict[str, Any]], Tensor]] = {}
+"""The ``Op.call`` of each op that serves a ufunc on Tensors (``ops.core.UFUNC_CALLS``)."""
 _NO_PARAMS: dict[str, Any] = {}
 """The parameters the operators pass to ``Op.call``: none (shared, never written)."""
 
@@ -946,7 +952,7 @@ def bind_ops(ops: ModuleType, inplace: ModuleType) -> None:
     Called once by ``pargrad/ops/__init__.py`` at import (under the import lock); the
     names are read-only after.
     """
-    globals().update(_ops=ops, _inplace=inplace)
+    globals().update(_ops=ops, _inplace=inplace, _ufunc_calls=ops.core.UFUNC_CALLS)
 
 
 # Methods with an axis: torch's dim= / keepdim= get a message naming numpy's keywords.

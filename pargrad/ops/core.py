@@ -44,6 +44,8 @@ def nondifferentiable(g: Grad, ans: Any, *args: Any, **params: Any) -> None:
 # Filled by the op modules: which op or function serves a numpy ufunc / function when it
 # is called with Tensors.
 UFUNC_OPS: dict[np.ufunc, Callable[..., Any]] = {}
+UFUNC_CALLS: dict[np.ufunc, Callable[[tuple[Any, ...], dict[str, Any]], Tensor]] = {}
+"""``UFUNC_OPS``' ops as their ``Op.call`` (what ``Tensor.__array_ufunc__`` calls)."""
 FUNCTION_OPS: dict[Callable[..., Any], Callable[..., Any]] = {}
 
 
@@ -743,6 +745,7 @@ def defop(name: str, forward: Callable[..., Any], *rules: Rule, **options: Any) 
     op = Op(name, forward, rules, **options)
     if isinstance(forward, np.ufunc):
         UFUNC_OPS[forward] = op
+        UFUNC_CALLS[forward] = op.call
     return op
 
 
@@ -762,6 +765,7 @@ def implements(*numpy_functions: Callable[..., Any]) -> Callable[[Callable[..., 
         for np_func in numpy_functions:
             if isinstance(np_func, np.ufunc):
                 UFUNC_OPS[np_func] = func
+                UFUNC_CALLS.pop(np_func, None)
             else:
                 FUNCTION_OPS[np_func] = func
         return func
@@ -796,8 +800,6 @@ def dispatch_ufunc(
     """``Tensor.__array_ufunc__``: route a numpy ufunc call to the matching op."""
     if method == "__call__" and not kwargs:
         op = UFUNC_OPS.get(ufunc)
-        if type(op) is Op:  # a rule's numpy call on Tensors: the op's hot path (Op.call)
-            return op.call(inputs, NO_PARAMS)
         if op is not None:
             return op(*inputs)
         if ufunc in CONSTANT_UFUNCS:
