@@ -34,6 +34,15 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
+try:  # CPython's own C functions, which signal.signal and getsignal wrap with enum
+    # conversions that cost ~4 µs a call (an exception inside for a Python handler): a
+    # backward calls them up to six times.
+    from _signal import getsignal as _getsignal
+    from _signal import signal as _setsignal
+except ImportError:  # pragma: no cover (an interpreter without them)
+    _getsignal, _setsignal = signal.getsignal, signal.signal
+_SIGINT = int(signal.SIGINT)
+
 
 @contextmanager
 def deferred_interrupts() -> Iterator[None]:
@@ -46,7 +55,7 @@ def deferred_interrupts() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.getsignal(signal.SIGINT)
+    previous = _getsignal(_SIGINT)
     if not callable(previous):
         yield
         return
@@ -55,11 +64,11 @@ def deferred_interrupts() -> Iterator[None]:
     def record(signum: int, frame: FrameType | None) -> None:
         arrived.append((signum, frame))
 
-    signal.signal(signal.SIGINT, record)  # may raise an interrupt that came before: fine
+    _setsignal(_SIGINT, record)  # may raise an interrupt that came before: fine
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        _setsignal(_SIGINT, previous)
         if arrived:
             handler: Any = previous
             handler(*arrived[0])
@@ -140,12 +149,12 @@ def gate_installed() -> Iterator[Gate]:
         if gate.previous is not None or threading.current_thread() is not threading.main_thread():
             yield gate  # nested, or a thread that gets no signals
             return
-        previous = signal.getsignal(signal.SIGINT)
+        previous = _getsignal(_SIGINT)
         if not callable(previous):
             yield gate
             return
         gate.previous, gate.pending = previous, None
-        signal.signal(signal.SIGINT, gate.handle)
+        _setsignal(_SIGINT, gate.handle)
         raised = False
         try:
             yield gate
@@ -153,7 +162,7 @@ def gate_installed() -> Iterator[Gate]:
             raised = True
             raise
         finally:
-            signal.signal(signal.SIGINT, previous)
+            _setsignal(_SIGINT, previous)
             pending, gate.pending, gate.previous = gate.pending, None, None
             if pending is not None and not raised:
                 previous(*pending)
