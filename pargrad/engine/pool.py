@@ -103,10 +103,11 @@ class Pool(Generic[T]):
         """A backward call counted by ``task_started`` is over."""
         with self._lock:
             self._active -= 1
-            if self._active == 0:
+            # Only shutdown waits on all_tasks_done, and only after setting _closed under
+            # this lock: an open pool has no waiter to wake.
+            if self._active == 0 and self._closed:
                 self.all_tasks_done.notify_all()
-                if self._closed:
-                    self._close_queues()
+                self._close_queues()
 
     def _close_queues(self) -> None:
         """Let the workers exit. Holds ``_lock``; only once no backward is in flight, so
