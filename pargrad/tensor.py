@@ -937,7 +937,7 @@ def tensor(
 set_gradient_view(lambda array, device: Tensor._make(array, device=device))
 
 # Tensor's operators call the ops, and the ops build Tensors: the ops package, which
-# imports this module, binds these two names when it is imported (``bind_ops``).
+# imports this module, binds these three names when it is imported (``bind_ops``).
 if not TYPE_CHECKING:
     _ops = _inplace = None
 _ufunc_calls: dict[np.ufunc, Callable[[tuple[Any, ...], dict[str, Any]], Tensor]] = {}

@@ -339,8 +339,6 @@ class Op:
 
 
 _new = object.__new__
-# Tensor._make(...) without binding the classmethod on every call.
-_make: Callable[..., Tensor] = Tensor._make.__func__  # type: ignore[attr-defined]
 
 NO_PARAMS: dict[str, Any] = {}
 """The parameters of an op called without any: one shared dict, never written."""
