@@ -439,36 +439,48 @@ def _root_grads(roots: tuple[Tensor, ...], grad_tensors: Any, create_graph: bool
 
 
 def _root_grad(i: int, root: Tensor, grad: Any, create_graph: bool, caller: str) -> Grad:
-    what, parameter = _PARAMETERS[caller]
-    one = caller == "Tensor.backward"
-    name, grad_name = (what, parameter) if one else (f"{what}[{i}]", f"{parameter}[{i}]")
+    data = root.data  # (root.shape and .dtype, read once: properties)
+    shape, dtype = data.shape, data.dtype
     if grad is None:
-        if root.size != 1:
-            each = "an array of that shape" if one else f"one array per {what[:-1]}, of its shape"
+        if data.size != 1:
+            what, parameter = _PARAMETERS[caller]
+            name = _root_name(i, caller)[0]
+            each = ("an array of that shape" if caller == "Tensor.backward"
+                    else f"one array per {what[:-1]}, of its shape")
             raise RuntimeError(
-                f"{caller}: {name} has shape {root.shape}; a gradient can be implied only "
+                f"{caller}: {name} has shape {shape}; a gradient can be implied only "
                 f"for a tensor with one element, so pass {parameter}= ({each}), or reduce "
                 f"it to one element first (.sum())"
             )
-        array = np.ones(root.shape, root.dtype)
+        array = np.ones(shape, dtype)
     else:
         array = grad.data if isinstance(grad, Tensor) else grad
         if not hasattr(array, "dtype"):  # Python numbers and lists take the root's dtype
-            array = np.asarray(array, dtype=root.dtype)
+            array = np.asarray(array, dtype=dtype)
         array = np.asarray(array)
-        if array.shape != root.shape:
+        if array.shape != shape:
+            name, grad_name = _root_name(i, caller)
             raise RuntimeError(
                 f"{caller}: {grad_name} has shape {array.shape}, but {name} has shape "
-                f"{root.shape}"
+                f"{shape}"
             )
-        if array.dtype != root.dtype:
+        if array.dtype != dtype:
+            name, grad_name = _root_name(i, caller)
             raise TypeError(
                 f"{caller}: {grad_name} has dtype {array.dtype}, but {name} has dtype "
-                f"{root.dtype}; cast it with .astype(np.{root.dtype})"
+                f"{dtype}; cast it with .astype(np.{dtype})"
             )
     if create_graph:
         return grad if isinstance(grad, Tensor) else Tensor._make(array, device=root.device)
     return array
+
+
+def _root_name(i: int, caller: str) -> tuple[str, str]:
+    """How an error names root ``i`` and its gradient (only made for an error)."""
+    what, parameter = _PARAMETERS[caller]
+    if caller == "Tensor.backward":
+        return what, parameter
+    return f"{what}[{i}]", f"{parameter}[{i}]"
 
 
 def _added_to_grad(tensor: Tensor, grad: Grad, create_graph: bool) -> Tensor:
