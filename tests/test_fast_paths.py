@@ -10,8 +10,10 @@ as a GraphTask (``handoff_threshold=1``). Each test runs a graph both ways.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import pkgutil
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -233,3 +235,37 @@ def test_an_argument_without_a_rule_fails_in_the_forward_on_every_path(
     assert str(lean.value) == str(slow.value)
     assert str(lean.value).startswith("ruleless")
     assert "no gradient rule for argument 0" in str(lean.value)
+
+
+# A node keeps the values its rules read and nothing else: x * 2 needs 2, not x's array
+# (which would otherwise live until the backward, for every link of a chain).
+KEEPS = {
+    "Tensor times a scalar": (lambda h, c: h * 2.0, 2.0),
+    "Tensor times a constant Tensor": (lambda h, c: h * c, None),
+    "Tensor times a constant array": (lambda h, c: pargrad.multiply(h, c.data), None),
+}
+
+
+@pytest.mark.parametrize("case", list(KEEPS))
+@pytest.mark.parametrize("path", ["lean", "general"])
+def test_a_node_keeps_no_array_its_rules_do_not_read(case: str, path: str,
+                                                     general: Any) -> None:
+    if path == "general":
+        general.on()
+    build, factor = KEEPS[case]
+    x = pargrad.tensor(np.linspace(-1.0, 1.0, 5), requires_grad=True)
+    c = pargrad.tensor(np.full(5, 2.0))
+    h = x + 1.0  # a non-leaf whose array only h (and what keeps it) holds
+    gone = weakref.ref(h.data)
+    y = build(h, c)
+    del h
+    gc.collect()
+    assert gone() is None
+    assert y.grad_fn is not None
+    saved = y.grad_fn.saved_arrays
+    assert saved is not None and saved[0] is None
+    if factor is not None:
+        assert saved[1] == factor
+    pargrad.sum(y).backward()
+    assert x.grad is not None
+    np.testing.assert_array_equal(x.grad.data, np.full(5, 2.0))

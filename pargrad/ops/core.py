@@ -277,8 +277,9 @@ class Op:
                         node.saved_args = args
                         node.saved_arrays = held
                         node.saved_versions = saved_versions(args, plan.args)
-                    else:  # the scalar's at most
-                        node.saved_args = node.saved_arrays = held if plan.mask else _UNREAD[n]
+                    else:  # the scalar's at most (not x's array: the node would keep it)
+                        node.saved_args = node.saved_arrays = ((None, args[1]) if plan.mask
+                                                               else _UNREAD[n])
                         node.saved_versions = ()
                 else:
                     node.saved_args = node.saved_outputs = None
@@ -389,6 +390,14 @@ def meta_and_none(found: tuple[Meta]) -> tuple[Meta | None, ...]:
 
 
 _UNREAD = tuple((None,) * n for n in range(8))
+
+
+def _only(values: Sequence[Any], mask: int) -> tuple[Any, ...]:
+    """``values`` with those the rules do not read (bit ``i`` of ``mask`` clear) as None:
+    a node keeps no array it will not read (``x * 2`` keeps 2, not ``x``'s array)."""
+    if mask == (1 << len(values)) - 1:
+        return tuple(values)
+    return tuple([v if mask >> i & 1 else None for i, v in enumerate(values)])
 
 
 def unread(n: int) -> tuple[None, ...]:
@@ -601,12 +610,13 @@ class OpNode(Node):
             plan = op._plans.get(live) or op.plan(live)
             self.reads_output = plan.output
             self.saved_outputs: tuple[np.ndarray, ...] | None = outs if plan.output else None
-            if plan.mask & tensors:  # the values of Tensors: the arrays apart
-                self.saved_args: tuple[Any, ...] | None = tuple(args)
-                self.saved_arrays: tuple[Any, ...] | None = tuple(arrays)
+            mask = plan.mask
+            if mask & tensors:  # the values of Tensors: the arrays apart
+                self.saved_args: tuple[Any, ...] | None = _only(args, mask)
+                self.saved_arrays: tuple[Any, ...] | None = _only(arrays, mask)
                 self.saved_versions: Saved = saved_versions(args, plan.args)
             else:  # scalars and plain arrays at most, each its own array
-                self.saved_args = self.saved_arrays = (tuple(arrays) if plan.mask
+                self.saved_args = self.saved_arrays = (_only(arrays, mask) if mask
                                                        else unread(len(arrays)))
                 self.saved_versions = ()
         else:
