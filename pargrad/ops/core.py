@@ -395,6 +395,8 @@ _UNREAD = tuple((None,) * n for n in range(8))
 def _only(values: Sequence[Any], mask: int) -> tuple[Any, ...]:
     """``values`` with those the rules do not read (bit ``i`` of ``mask`` clear) as None:
     a node keeps no array it will not read (``x * 2`` keeps 2, not ``x``'s array)."""
+    if not mask:
+        return unread(len(values))
     if mask == (1 << len(values)) - 1:
         return tuple(values)
     return tuple([v if mask >> i & 1 else None for i, v in enumerate(values)])
@@ -616,8 +618,7 @@ class OpNode(Node):
                 self.saved_arrays: tuple[Any, ...] | None = _only(arrays, mask)
                 self.saved_versions: Saved = saved_versions(args, plan.args)
             else:  # scalars and plain arrays at most, each its own array
-                self.saved_args = self.saved_arrays = (_only(arrays, mask) if mask
-                                                       else unread(len(arrays)))
+                self.saved_args = self.saved_arrays = _only(arrays, mask)
                 self.saved_versions = ()
         else:
             self.saved_args = None
