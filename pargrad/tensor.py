@@ -249,6 +249,7 @@ class Tensor:
         hooks = None if self.grad_fn is None else self.grad_fn._hooks
         if hooks is not None and self.output_nr in hooks.retains:
             hooks.release(self.output_nr)
+        counter_of(self)  # the counter of the history it leaves, shared with its node
         self.grad_fn, self.output_nr = None, 0
         self._requires_grad = False
         return self
@@ -257,7 +258,7 @@ class Tensor:
     def _version(self) -> int:
         """How many times this tensor's memory was changed in place (as PyTorch's
         ``Tensor._version``); shared by the tensors that view the same memory."""
-        return 0 if self._counter is None else self._counter.value
+        return counter_of(self).value
 
     @property
     def device(self) -> Device:
@@ -295,6 +296,7 @@ class Tensor:
         after an in-place change: a ``retain_grad`` mark moves along; tensor hooks stay
         where they were (they see the gradient of the old value, as in PyTorch)."""
         old, old_nr = self.grad_fn, self.output_nr
+        counter_of(self)  # the counter of the old history, shared with its node (if made)
         self.grad_fn, self.output_nr = grad_fn, output_nr
         self._requires_grad = grad_fn is not None
         hooks = None if old is None else old._hooks

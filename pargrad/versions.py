@@ -43,13 +43,30 @@ _lock = threading.Lock()
 def counter_of(tensor: Any) -> VersionCounter:
     """The version counter of ``tensor``, made on first use: most tensors are never
     saved nor changed in place, and a counter for each would only feed the garbage
-    collector."""
+    collector.
+
+    A node that saved its output 0 (``reads_output``) holds that output's counter in
+    its ``output_counter`` (None until one is made): the counter of a tensor that is
+    output 0 of such a node is that one, made here on first use by any tensor with that
+    history (the output itself, or one rebuilt around the node for ``create_graph``). So
+    the forward makes no counter for the outputs it saves, and the node still sees the
+    first in-place change of its output. Whatever gives a tensor another history (an
+    in-place op's ``_rebase``, ``detach_``) asks for its counter first.
+    """
     counter: VersionCounter | None = tensor._counter
     if counter is None:
         with _lock:
             counter = tensor._counter
             if counter is None:
-                counter = tensor._counter = VersionCounter()
+                fn = tensor.grad_fn
+                if fn is not None and tensor.output_nr == 0 and getattr(fn, "reads_output",
+                                                                        False):
+                    counter = fn.output_counter
+                    if counter is None:
+                        counter = fn.output_counter = VersionCounter()
+                else:
+                    counter = VersionCounter()
+                tensor._counter = counter
     return counter
 
 

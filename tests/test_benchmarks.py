@@ -288,7 +288,7 @@ def test_compare_runs_this_tree_against_a_revision(tmp_path: Path) -> None:
     memory = [t for t in figures["targets"]
               if t["target"] == "tiny-chain: sequential peak memory, this tree / REV"]
     assert len(memory) == 1 and memory[0]["value"] == pytest.approx(
-        sequential["peak_backward_bytes"]["current"] / sequential["peak_backward_bytes"]["rev"])
+        sequential["peak_bytes"]["current"] / sequential["peak_bytes"]["rev"])
 
 
 def test_compare_with_an_unknown_revision_says_so() -> None:

@@ -269,3 +269,28 @@ def test_a_node_keeps_no_array_its_rules_do_not_read(case: str, path: str,
     pargrad.sum(y).backward()
     assert x.grad is not None
     np.testing.assert_array_equal(x.grad.data, np.full(5, 2.0))
+
+
+@pytest.mark.parametrize("path", ["lean", "general"])
+def test_a_saved_output_gets_its_version_counter_only_when_changed(path: str,
+                                                                   general: Any) -> None:
+    from pargrad.versions import VersionCounter
+
+    if path == "general":
+        general.on()
+    def counters() -> int:
+        return sum(type(o) is VersionCounter for o in gc.get_objects())
+
+    x = pargrad.tensor(np.linspace(-1.0, 1.0, 5), requires_grad=True)
+    before = counters()
+    y = x
+    for _ in range(4):
+        y = pargrad.tanh(y)  # each node saves its output
+    assert counters() == before
+    node = y.grad_fn
+    assert node is not None and node.output_counter is None
+    with pargrad.no_grad():
+        y.add_(1.0)  # the first change makes it, shared by the tensor and its node
+    assert node.output_counter is y._counter and y._version == 1
+    with pytest.raises(pargrad.BackwardError, match=r"TanhBackward: .*output 0"):
+        pargrad.sum(y).backward()

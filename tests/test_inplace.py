@@ -140,6 +140,55 @@ def test_changed_saved_tensor_raises_and_changes_no_grad(engine: pargrad.Engine)
     np.testing.assert_array_equal(w.grad.data, [10.0, 10.0])
 
 
+def _under_no_grad(change: Callable[[], object]) -> Callable[[], object]:
+    def run() -> None:
+        with pargrad.no_grad():
+            change()
+    return run
+
+
+# However a saved output's memory changes (a node makes its version counter only when
+# the first change or save asks for it), the node that saved it sees the change.
+CHANGES_OF_A_SAVED_OUTPUT: dict[str, Callable[[Tensor], Callable[[], object]]] = {
+    "plain write": lambda h: _under_no_grad(lambda: h.add_(1)),
+    "recorded": lambda h: lambda: h.add_(1),
+    "recorded, reading the old value": lambda h: lambda: h.sin_(),
+    "setitem": lambda h: lambda: h.__setitem__(0, 5.0),
+    "through a view": lambda h: _under_no_grad(lambda: h[:1].mul_(2)),
+    "through detach()": lambda h: lambda: h.detach().add_(1),
+    "after detach_()": lambda h: lambda: (h.detach_(), h.add_(1)),
+}
+
+
+@pytest.mark.parametrize("how", list(CHANGES_OF_A_SAVED_OUTPUT))
+def test_every_change_of_a_saved_output_is_seen(how: str, engine: pargrad.Engine) -> None:
+    w = pargrad.tensor([1.0, 2.0], requires_grad=True)
+    h = pargrad.exp(w)  # ExpBackward saves its output
+    loss = (h * 2.0).sum()  # reads 2.0, not h
+    CHANGES_OF_A_SAVED_OUTPUT[how](h)()  # (reading h._version first would make its counter)
+    assert h._version >= 1
+    with pytest.raises(pargrad.BackwardError,
+                       match=r"output 0 .* but was saved at version 0") as info:
+        loss.backward()
+    assert info.value.node_name == "ExpBackward"
+    assert w.grad is None
+
+
+def test_outputs_rebuilt_for_create_graph_share_the_saved_outputs_counter(
+        engine: pargrad.Engine) -> None:
+    w = pargrad.tensor([1.0, 2.0], requires_grad=True)
+    h = pargrad.exp(w)
+    # The gradient of exp(h) times the rebuilt h: a product node saves that rebuilt h.
+    (g,) = pargrad.grad(pargrad.exp(h).sum(), [w], create_graph=True)
+    np.testing.assert_allclose(g.data, np.exp(np.exp([1.0, 2.0])) * np.exp([1.0, 2.0]))
+    with pargrad.no_grad():
+        h.mul_(3.0)
+    with pytest.raises(pargrad.BackwardError, match=r"argument 1 .* is at version 1") as info:
+        g.sum().backward()
+    assert info.value.node_name == "MultiplyBackward"  # the first node reading h's values
+    assert w.grad is None
+
+
 def test_changed_leaf_raises_where_its_value_is_read(engine: pargrad.Engine) -> None:
     w = pargrad.tensor([1.0, 2.0], requires_grad=True)
     x = pargrad.tensor([3.0, 4.0], requires_grad=True)

@@ -296,12 +296,7 @@ class Op:
         result.output_nr = 0
         result._grad = result._accumulator = result._hooks = None
         result._view = None
-        if node is not None and node.reads_output:  # a new tensor no other thread sees:
-            counter = result._counter = _new(VersionCounter)  # no lock for its counter
-            counter.value = 0
-            node.output_counter = counter
-        else:
-            result._counter = None
+        result._counter = None  # the node's output_counter once made (counter_of)
         return result
 
     # Every unusual operand's case in one place (views, devices, several outputs).
@@ -334,8 +329,10 @@ class Op:
                 if _owner(t.data) is owner:  # a view of the source's memory
                     t._counter = counter_of(source)
                     t._view = view_of(source, (self, params, i))
-        if node is not None and node.reads_output:
-            node.saved_versions += saved_versions(tensors, outputs=True)
+        if node is not None and node.reads_output and len(tensors) > 1:
+            # Output 0's counter is the node's output_counter, made on first use.
+            node.saved_versions += saved_versions(tensors, range(1, len(tensors)),
+                                                  outputs=True)
         return tensors
 
 
@@ -634,7 +631,8 @@ class OpNode(Node):
     def _check_versions(self) -> None:
         """Raise ``BackwardError`` if a tensor this node saved was changed in place since:
         an argument or output (``saved_versions``), or the output whose counter
-        ``output_counter`` is (made with it, so saved at version 0)."""
+        ``output_counter`` is (made at version 0 on the output's first in-place change or
+        save, by ``counter_of``; None while it has none)."""
         check(self.op.node_name, self.saved_versions)
         counter = self.output_counter
         if counter is not None and counter.value:
@@ -723,8 +721,8 @@ class OpNode(Node):
             check_saved_data(self.saved_args, args, "argument")
             args = self.saved_args
             if outs is not None:
+                # With the counters the outputs have (output 0's: counter_of finds it).
                 rebuilt = [Tensor._make(o, self, i) for i, o in enumerate(outs)]
-                rebuilt[0]._counter = self.output_counter  # with the counters the outputs have
                 for record in self.saved_versions:
                     if record.where < 0:
                         rebuilt[-1 - record.where]._counter = record.counter

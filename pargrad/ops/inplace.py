@@ -29,7 +29,7 @@ from pargrad.ops.core import Op, array_of, defop
 from pargrad.ops.elementwise import astype
 from pargrad.ops.shape import _normalize_index
 from pargrad.tensor import Tensor
-from pargrad.versions import counter_of
+from pargrad.versions import VersionCounter, counter_of
 from pargrad.views import Step, refresh, replay, replay_array
 
 
@@ -200,8 +200,12 @@ def _standin(t: Tensor, copy: bool) -> Tensor:
     if view is not None and view.chain is not None and t.grad_fn is not None:
         with enable_grad():
             fresh = replay(_standin(view.base, copy=False), view.chain)
-        return Tensor._make(array, fresh.grad_fn, fresh.output_nr, t.device)
-    return Tensor._make(array, t.grad_fn, t.output_nr, t.device)
+        standin = Tensor._make(array, fresh.grad_fn, fresh.output_nr, t.device)
+    else:
+        standin = Tensor._make(array, t.grad_fn, t.output_nr, t.device)
+    # Its own memory, its own counter; else ``t``'s (not one found from the history).
+    standin._counter = VersionCounter() if copy else counter_of(t)
+    return standin
 
 
 def _fitted(t: Tensor, result: Tensor, name: str) -> Tensor:
