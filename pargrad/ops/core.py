@@ -272,7 +272,7 @@ class Op:
                 if self.needs_values:
                     plan = self.plan_one
                     node.reads_output = plan.output
-                    node.saved_outputs = (out,) if plan.output else None
+                    node.saved_ans = out if plan.output else None
                     if plan.mask & 1:  # x's values: the Tensor and its array apart, its version
                         node.saved_args = args
                         node.saved_arrays = held
@@ -282,7 +282,7 @@ class Op:
                                                                else _UNREAD[n])
                         node.saved_versions = ()
                 else:
-                    node.saved_args = node.saved_outputs = None
+                    node.saved_args = node.saved_ans = None
                     node.saved_arrays = (ShapeOf(array),) if n == 1 else (ShapeOf(array), args[1])
                     node.saved_versions = ()
                     node.reads_output = False
@@ -528,8 +528,8 @@ class OpNode(Node):
     the argument Tensors themselves, which must still hold those arrays.
     """
 
-    __slots__ = ("op", "output_counter", "params", "reads_output", "saved_args",
-                 "saved_arrays", "saved_outputs", "saved_versions")
+    __slots__ = ("op", "output_counter", "params", "reads_output", "saved_ans", "saved_args",
+                 "saved_arrays", "saved_versions")
 
     def __init__(
         self, op: Op, args: Sequence[Any], arrays: Sequence[Any], params: dict[str, Any],
@@ -608,7 +608,9 @@ class OpNode(Node):
             # tensors exist. Arguments they do not read are kept as None.
             plan = op._plans.get(live) or op.plan(live)
             self.reads_output = plan.output
-            self.saved_outputs: tuple[np.ndarray, ...] | None = outs if plan.output else None
+            # The ``ans`` its rules get: the output, or the tuple of a multi-output op's.
+            self.saved_ans: Any = (None if not plan.output else outs if op.multi_output
+                                   else outs[0])
             mask = plan.mask
             if mask & tensors:  # the values of Tensors: the arrays apart
                 self.saved_args: tuple[Any, ...] | None = _only(args, mask)
@@ -621,12 +623,18 @@ class OpNode(Node):
             self.saved_args = None
             self.saved_arrays = tuple([ShapeOf(a) if isinstance(a, np.ndarray) else a
                                        for a in arrays])
-            self.saved_outputs = None
+            self.saved_ans = None
             self.saved_versions = ()
             self.reads_output = False
 
     def name(self) -> str:
         return self.op.node_name
+
+    @property
+    def saved_outputs(self) -> tuple[np.ndarray, ...] | None:
+        """The outputs saved for the rules (None if they read none, or once freed)."""
+        ans = self.saved_ans
+        return None if ans is None else ans if self.op.multi_output else (ans,)
 
     def _check_versions(self) -> None:
         """Raise ``BackwardError`` if a tensor this node saved was changed in place since:
@@ -636,13 +644,14 @@ class OpNode(Node):
         check(self.op.node_name, self.saved_versions)
         counter = self.output_counter
         if counter is not None and counter.value:
-            assert self.saved_outputs is not None
-            changed(self.op.node_name, SavedVersion(-1, counter, 0, self.saved_outputs[0]))
+            outs = self.saved_outputs
+            assert outs is not None
+            changed(self.op.node_name, SavedVersion(-1, counter, 0, outs[0]))
 
     def _free_saved(self) -> bool:
         if not self.op.needs_values:
             return False
-        self.saved_args = self.saved_arrays = self.saved_outputs = None
+        self.saved_args = self.saved_arrays = self.saved_ans = None
         self.saved_versions = ()
         return True
 
@@ -664,8 +673,7 @@ class OpNode(Node):
         counter = self.output_counter
         if self.saved_versions or (counter is not None and counter.value):
             self._check_versions()
-        outs = self.saved_outputs
-        ans = None if outs is None else outs[0]
+        ans = self.saved_ans  # one output (direct_rules: not a multi-output op)
         params = self.params
         cut = op.cut_rules
         chunked = bool(cut) and large(grads)  # in chunks, helped by idle threads
@@ -705,7 +713,7 @@ class OpNode(Node):
         if not fits:
             results = self._check(results)
         if not retain_graph and op.needs_values:  # _free_saved, inline
-            self.saved_args = self.saved_arrays = self.saved_outputs = None
+            self.saved_args = self.saved_arrays = self.saved_ans = None
             self.saved_versions = ()
             self._released = True
         return results
