@@ -331,7 +331,7 @@ class FunctionNode(Node):
         backward = self.function.backward
         result = backward(self.ctx, *wrapped)
         results = tuple(result) if isinstance(result, (tuple, list)) else (result,)
-        inputs = len(self.next_functions)
+        inputs = len(self.next_nodes)
         if len(results) > inputs and all(r is None for r in results[inputs:]):
             results = results[:inputs]  # trailing Nones beyond the inputs: accepted
         if not is_grad_enabled():

@@ -3,8 +3,12 @@
 A ``Node`` is one step of the backward pass. ``node.next_functions`` holds one edge per
 input of the forward operation, ``(next_node, input_nr)``, where ``input_nr`` says which
 output of ``next_node`` that input was; the edge is ``(None, 0)`` where the input needs
-no gradient. A leaf that requires grad is reached through an ``AccumulateGrad`` node,
-the sink that owns the leaf's gradient.
+no gradient. A node keeps its edges as two tuples, ``next_nodes`` and ``input_nrs``
+(edge ``i`` is ``(next_nodes[i], input_nrs[i])``), which is what engines read: one
+object per node for the garbage collector to track, not one per edge and one around
+them (``input_nrs`` holds small ints only, so the collector drops it, and the common
+ones are shared). A leaf that requires grad is reached through an ``AccumulateGrad``
+node, the sink that owns the leaf's gradient.
 
 This module knows nothing of engines or threads (the sequence counter's lock aside): an
 engine asks ``Dependencies`` when a node is ready and calls ``Node.apply``; everything a
@@ -38,6 +42,41 @@ Edge = tuple["Node | None", int]
 
 NO_EDGE: Edge = (None, 0)
 """The edge of an input that needs no gradient."""
+
+ONE_NR = tuple((i,) for i in range(16))
+"""``(i,)``, made once: the ``input_nrs`` of a one-input node (``input_nrs_of``)."""
+
+NR_AND_ZERO = tuple((i, 0) for i in range(16))
+"""``(i, 0)``, made once: an op on a Tensor and a constant (``Op.call``'s lean path)."""
+
+# Every one- and two-edge tuple of outputs 0-15, and the longer ones met (up to 4 edges).
+_shared_nrs: dict[tuple[int, ...], tuple[int, ...]] = {
+    **{(i, j): (i, j) for i in range(16) for j in range(16)},
+    **{nrs: nrs for nrs in NR_AND_ZERO}, **{nrs: nrs for nrs in ONE_NR}}
+
+
+def input_nrs_of(nrs: Sequence[int]) -> tuple[int, ...]:
+    """``tuple(nrs)``, one shared tuple for each short one (a node's ``input_nrs``: most
+    are a few zeros), so nodes share them instead of each holding its own."""
+    found = tuple(nrs)
+    return _shared_nrs.get(found) or _share(found)
+
+
+def _share(nrs: tuple[int, ...]) -> tuple[int, ...]:
+    if not nrs or len(nrs) > 4 or max(nrs) >= 16:
+        return nrs
+    # (setdefault is one C call: two threads at once share one, or each keep their own)
+    return _shared_nrs.setdefault(nrs, nrs)
+
+
+def split_edges(edges: Iterable[Edge]) -> tuple[tuple[Node | None, ...], tuple[int, ...]]:
+    """``(next_nodes, input_nrs)`` of the edges ``edges``."""
+    nodes: list[Node | None] = []
+    nrs: list[int] = []
+    for node, nr in edges:
+        nodes.append(node)
+        nrs.append(nr)
+    return tuple(nodes), input_nrs_of(nrs)
 
 Meta = tuple[tuple[int, ...], np.dtype]
 """``(shape, dtype)`` of a tensor, remembered so that a gradient can be checked against it."""
@@ -89,7 +128,7 @@ class Node:
     """
 
     __slots__ = ("__weakref__", "_forward_trace", "_hooks", "_input_meta", "_output_meta",
-                 "_released", "cost", "device", "next_functions", "sequence_nr")
+                 "_released", "cost", "device", "input_nrs", "next_nodes", "sequence_nr")
 
     # Its backward runs BLAS, which has threads of its own: a parallel engine runs only
     # as many such nodes at once as the cores allow (engine/blas.py).
@@ -108,7 +147,7 @@ class Node:
         output_meta: tuple[Meta, ...],
         device: Device = CPU,
     ) -> None:
-        self.next_functions = next_functions
+        self.next_nodes, self.input_nrs = split_edges(next_functions)
         self._input_meta = input_meta
         self._output_meta = output_meta
         # The array elements its backward reads and writes, gradients in and out: what a
@@ -121,6 +160,12 @@ class Node:
         self._hooks: NodeHooks | None = None  # made by the first hook registered
         # Where the forward created this node: recorded only under anomaly mode.
         self._forward_trace = anomaly.forward_trace() if anomaly.mode.enabled else None
+
+    @property
+    def next_functions(self) -> tuple[Edge, ...]:
+        """One edge ``(next_node, input_nr)`` per input of the forward operation, as
+        PyTorch's ``grad_fn.next_functions`` (made from ``next_nodes`` and ``input_nrs``)."""
+        return tuple(zip(self.next_nodes, self.input_nrs))
 
     def register_prehook(self, hook: Hook) -> RemovableHandle:
         """Call ``hook(grad_outputs)`` before this node's backward runs.
@@ -274,7 +319,7 @@ class Node:
                 if g is not None:
                     break
             else:
-                return [None] * len(self.next_functions)
+                return [None] * len(self.next_nodes)
         if self._released:
             raise BackwardError(
                 self.name(),
@@ -300,15 +345,15 @@ class Node:
         return checked
 
     def _check(self, outputs: Sequence[Grad | None]) -> list[Grad | None]:
-        if len(outputs) != len(self.next_functions):
+        if len(outputs) != len(self.next_nodes):
             raise BackwardError(
                 self.name(),
                 f"backward returned {len(outputs)} gradients, but the forward had "
-                f"{len(self.next_functions)} inputs",
+                f"{len(self.next_nodes)} inputs",
             )
         checked: list[Grad | None] = []
-        for i, ((next_node, _), g, meta) in enumerate(
-            zip(self.next_functions, outputs, self._input_meta)
+        for i, (next_node, g, meta) in enumerate(
+            zip(self.next_nodes, outputs, self._input_meta)
         ):
             if next_node is None or g is None or meta is None:
                 checked.append(None)
@@ -439,7 +484,11 @@ def reachable(roots: Iterable[Node], within: Container[Node] | None = None
             stack.append(root)
     find, push, pop = counts.get, stack.append, stack.pop
     while stack:
-        for next_node, input_nr in pop().next_functions:
+        node = pop()
+        nrs = node.input_nrs
+        i = -1  # (an index, not a zip: most nodes have one edge, and a zip costs more)
+        for next_node in node.next_nodes:
+            i += 1
             if next_node is None:
                 continue
             owed = find(next_node)
@@ -448,7 +497,7 @@ def reachable(roots: Iterable[Node], within: Container[Node] | None = None
                     continue
                 owed = counts[next_node] = [0] * len(next_node._output_meta)
                 push(next_node)
-            owed[input_nr] += 1
+            owed[nrs[i]] += 1
     return counts
 
 
@@ -502,7 +551,7 @@ def _needed(reached: dict[Node, list[int]], targets: Iterable[Edge]) -> dict[Nod
     """``needed`` among the nodes ``reached`` (what ``reachable`` returned for the roots)."""
     parents: dict[Node, list[Node]] = {node: [] for node in reached}
     for node in reached:
-        for next_node, _ in node.next_functions:
+        for next_node in node.next_nodes:
             if next_node is not None:
                 parents[next_node].append(node)
     runs: dict[Node, bool] = {}

@@ -294,3 +294,27 @@ def test_a_saved_output_gets_its_version_counter_only_when_changed(path: str,
     assert node.output_counter is y._counter and y._version == 1
     with pytest.raises(pargrad.BackwardError, match=r"TanhBackward: .*output 0"):
         pargrad.sum(y).backward()
+
+
+@pytest.mark.parametrize("step", ["tanh", "times a scalar"])
+@pytest.mark.parametrize("path", ["lean", "general"])
+def test_a_recorded_op_leaves_two_objects_for_the_collector(step: str, path: str,
+                                                            general: Any) -> None:
+    """A node and the tuple of its next nodes: a chain of small ops is mostly such
+    objects, and every object the collector tracks is one it walks, again and again.
+    (A node that saves a Tensor also keeps it, for create_graph, and a record of its
+    version: three more.)"""
+    if path == "general":
+        general.on()
+    steps = {"tanh": pargrad.tanh, "times a scalar": lambda y: y * 1.0001}
+    x = pargrad.tensor(np.linspace(-1.0, 1.0, 5), requires_grad=True)
+    y = steps[step](x)
+    gc.collect()
+    before = len(gc.get_objects())
+    for _ in range(100):
+        y = steps[step](y)
+    gc.collect()  # (which stops tracking tuples of untracked objects: ints, None, floats)
+    assert len(gc.get_objects()) - before <= 2 * 100
+    assert y.grad_fn is not None and y.grad_fn.next_functions[0][0] is not None
+    pargrad.sum(y).backward()
+    assert x.grad is not None

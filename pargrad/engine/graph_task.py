@@ -275,7 +275,7 @@ class GraphTask:
                 expected.setdefault(node, [[] for _ in counts[node]])[output_nr].append((0, i))
         for producer in counts:
             seq = producer.sequence_nr
-            for e, (node, input_nr) in enumerate(producer.next_functions):
+            for e, (node, input_nr) in enumerate(zip(producer.next_nodes, producer.input_nrs)):
                 if node is None:
                     continue
                 owed = counts.get(node)

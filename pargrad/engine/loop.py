@@ -362,8 +362,8 @@ class _Run:
                     blas.leave_gate()
             del grads
             seq, deterministic, deliver = node.sequence_nr, self.deterministic, self.deliver
-            for e, ((next_node, input_nr), grad) in enumerate(
-                    zip(node.next_functions, outputs)):
+            for e, (next_node, input_nr, grad) in enumerate(
+                    zip(node.next_nodes, node.input_nrs, outputs)):
                 if next_node is None:
                     continue
                 gathered = deliver(next_node, input_nr, grad,

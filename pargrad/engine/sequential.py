@@ -131,7 +131,7 @@ def run_graph(roots: Sequence[Edge], grads: Sequence[Grad], counts: dict[Node, l
         del grads_
         # Deliver each gradient to the next node's buffer, releasing the edge it came
         # along; a node whose counters reach zero is ready.
-        for (next_node, input_nr), grad in zip(node.next_functions, outputs):
+        for next_node, input_nr, grad in zip(node.next_nodes, node.input_nrs, outputs):
             if next_node is None:
                 continue
             owed = find(next_node)

@@ -25,7 +25,16 @@ import numpy as np
 from pargrad import anomaly, grad_mode, parallel
 from pargrad.devices import CPU, Device, common_device
 from pargrad.grad_mode import is_grad_enabled
-from pargrad.graph import NO_EDGE, BackwardError, Edge, Grad, Meta, Node, next_sequence_nr
+from pargrad.graph import (
+    NR_AND_ZERO,
+    ONE_NR,
+    BackwardError,
+    Grad,
+    Meta,
+    Node,
+    input_nrs_of,
+    next_sequence_nr,
+)
 from pargrad.parallel import elementwise, large
 from pargrad.shapes import sum_to
 from pargrad.tensor import Tensor, check_saved_data, saved_versions
@@ -250,13 +259,18 @@ class Op:
                 if not self.ruled:  # fail in the forward, where the call is visible
                     raise TypeError(f"{self.name}: no gradient rule for argument 0")
                 fn = x.grad_fn
-                edge = (fn, x.output_nr) if fn is not None else x._edge()
+                if fn is not None:
+                    nr = x.output_nr
+                else:
+                    fn, nr = x._edge()
                 found = _metas.get((array.shape, array.dtype)) or meta_of(array)
                 if n == 1:
-                    node.next_functions = (edge,)
+                    node.next_nodes = (fn,)
+                    node.input_nrs = ONE_NR[nr] if nr < 16 else (nr,)
                     node._input_meta = found
                 else:
-                    node.next_functions = (edge, NO_EDGE)
+                    node.next_nodes = (fn, None)
+                    node.input_nrs = NR_AND_ZERO[nr] if nr < 16 else (nr, 0)
                     node._input_meta = _and_none.get(found) or meta_and_none(found)
                 node._output_meta = (found if self.ufunc and out.dtype is array.dtype  # x's
                                      else _metas.get((out.shape, out.dtype)) or meta_of(out))
@@ -547,7 +561,8 @@ class OpNode(Node):
         (0.2 µs less per op call than ``cls(...)``)."""
         # Node.__init__ written out, with the edges made in the same pass: this runs once
         # per op call. Operands that are views were refreshed by ``Op.outputs``.
-        edges: list[Edge] = []
+        nodes: list[Node | None] = []
+        nrs: list[int] = []
         metas: list[Meta | None] = []
         live = 0  # bit i: argument i gets a gradient
         tensors = 0  # bit i: argument i is a Tensor
@@ -559,7 +574,13 @@ class OpNode(Node):
                 tensors |= bit
                 if a._requires_grad:
                     fn = a.grad_fn
-                    edges.append((fn, a.output_nr) if fn is not None else a._edge())
+                    if fn is not None:
+                        nodes.append(fn)
+                        nrs.append(a.output_nr)
+                    else:
+                        fn, nr = a._edge()
+                        nodes.append(fn)
+                        nrs.append(nr)
                     array = a.data
                     found = _metas.get((array.shape, array.dtype)) or meta_of(array)
                     metas.append(found[0])
@@ -567,13 +588,15 @@ class OpNode(Node):
                     live |= bit
                     bit <<= 1
                     continue
-            edges.append(NO_EDGE)
+            nodes.append(None)
+            nrs.append(0)
             metas.append(None)
             bit <<= 1
         if live >> op.ruled:  # fail in the forward, where the call is visible
             missing = next(i for i in range(op.ruled, len(args)) if live >> i & 1)
             raise TypeError(f"{op.name}: no gradient rule for argument {missing}")
-        self.next_functions = tuple(edges)
+        self.next_nodes = tuple(nodes)
+        self.input_nrs = input_nrs_of(nrs)
         # One argument: its interned ``(meta,)`` is the tuple of input metadata.
         self._input_meta = (found if found is not None and live == 1 and bit == 2
                             else metas_of(metas))
@@ -682,7 +705,7 @@ class OpNode(Node):
         fits = True
         i = 0
         try:
-            for next_node, _ in self.next_functions:
+            for next_node in self.next_nodes:
                 if next_node is None:
                     results.append(None)
                     i += 1
@@ -739,7 +762,7 @@ class OpNode(Node):
         ans = outs if outs is None or self.op.multi_output else outs[0]
         return [
             None if next_node is None else self.op.vjp(i, g, ans, args, self.params)
-            for i, (next_node, _) in enumerate(self.next_functions)
+            for i, next_node in enumerate(self.next_nodes)
         ]
 
 
