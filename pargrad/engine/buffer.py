@@ -46,17 +46,29 @@ class InputBuffer:
 
     def __init__(self, num_outputs: int) -> None:
         self._sums: list[Grad | None] = [None] * num_outputs
-        self._owned = [False] * num_outputs
+        self._owned = 0  # bit i: the sum of output i is an array this buffer made
 
+    # Run for every gradient that meets another: ``accumulate`` written out (same adds,
+    # same order), without its call and the tuple it returns.
     def accumulate(self, output_nr: int, grad: Grad | None, key: Key | None = None) -> None:
         """Add ``grad`` (ignored if None) to the sum for output ``output_nr``.
 
         ``key`` is ignored: gradients are summed in arrival order.
         """
-        if grad is not None:
-            self._sums[output_nr], self._owned[output_nr] = accumulate(
-                self._sums[output_nr], self._owned[output_nr], grad
-            )
+        if grad is None:
+            return
+        sums = self._sums
+        total = sums[output_nr]
+        if total is None:
+            sums[output_nr] = grad
+        elif not (isinstance(total, np.ndarray) and isinstance(grad, np.ndarray)):
+            sums[output_nr] = total + grad
+            self._owned &= ~(1 << output_nr)
+        elif self._owned >> output_nr & 1:
+            np.add(total, grad, out=total)
+        else:
+            sums[output_nr] = np.asarray(np.add(total, grad))
+            self._owned |= 1 << output_nr
 
     def take(self) -> list[Grad | None]:
         """Hand over the sums; the buffer must not be used afterwards."""
