@@ -103,10 +103,10 @@ def ratios(workload: dict[str, Any], cores: int, default: str) -> dict[str, floa
 EXPECTED: list[tuple[str, str, str]] = [
     (r"tiny-chain|random-dag:\d+",
      r".* / fastest torch, (?:backward per node|forward\+backward per op)",
-     "Python's cost per recorded op and per node (recording one is ~300 bytecode "
-     "instructions and four to five objects for the garbage collector, whose collections "
-     "take 10-17% of the forward) against PyTorch's C++; around the line on the tiny "
-     "chain and the smallest random DAG"),
+     "Python's cost per recorded op and per node (recording one is ~290 bytecode "
+     "instructions and leaves two objects for the garbage collector, whose passes over "
+     "them take ~6% of the forward) against PyTorch's C++; around the line on the tiny "
+     "chain and the random DAGs"),
     ("tiny-chain", r".* / hips, forward\+backward per op",
      "the same per-op Python cost; pargrad measures 0.6-0.8 of HIPS autograd's per op, at "
      "best at the target's edge"),

@@ -49,24 +49,17 @@ ONE_NR = tuple((i,) for i in range(16))
 NR_AND_ZERO = tuple((i, 0) for i in range(16))
 """``(i, 0)``, made once: an op on a Tensor and a constant (``Op.call``'s lean path)."""
 
-# Every one- and two-edge tuple of outputs 0-15, and the longer ones met (up to 4 edges).
-_shared_nrs: dict[tuple[int, ...], tuple[int, ...]] = {
+SHARED_NRS: dict[tuple[int, ...], tuple[int, ...]] = {
     **{(i, j): (i, j) for i in range(16) for j in range(16)},
     **{nrs: nrs for nrs in NR_AND_ZERO}, **{nrs: nrs for nrs in ONE_NR}}
+"""Every one- and two-edge ``input_nrs`` of outputs 0-15, each made once (read-only)."""
 
 
 def input_nrs_of(nrs: Sequence[int]) -> tuple[int, ...]:
-    """``tuple(nrs)``, one shared tuple for each short one (a node's ``input_nrs``: most
-    are a few zeros), so nodes share them instead of each holding its own."""
+    """``tuple(nrs)``, shared if it is one of ``SHARED_NRS`` (most are: one or two
+    zeros), so that nodes hold one tuple between them instead of each its own."""
     found = tuple(nrs)
-    return _shared_nrs.get(found) or _share(found)
-
-
-def _share(nrs: tuple[int, ...]) -> tuple[int, ...]:
-    if not nrs or len(nrs) > 4 or max(nrs) >= 16:
-        return nrs
-    # (setdefault is one C call: two threads at once share one, or each keep their own)
-    return _shared_nrs.setdefault(nrs, nrs)
+    return SHARED_NRS.get(found, found)
 
 
 def split_edges(edges: Iterable[Edge]) -> tuple[tuple[Node | None, ...], tuple[int, ...]]:
@@ -139,6 +132,9 @@ class Node:
     # Whether ``backward`` runs when no output got a gradient (else ``apply`` returns
     # Nones at once); a custom Function's node does, as in PyTorch.
     runs_without_grads = False
+    # Whether it saved its output 0 and holds that output's version counter in an
+    # ``output_counter`` of its own (``versions.counter_of``); an OpNode's slot says.
+    reads_output = False
 
     def __init__(
         self,

@@ -59,8 +59,7 @@ def counter_of(tensor: Any) -> VersionCounter:
             counter = tensor._counter
             if counter is None:
                 fn = tensor.grad_fn
-                if fn is not None and tensor.output_nr == 0 and getattr(fn, "reads_output",
-                                                                        False):
+                if fn is not None and fn.reads_output and tensor.output_nr == 0:
                     counter = fn.output_counter
                     if counter is None:
                         counter = fn.output_counter = VersionCounter()

@@ -62,3 +62,37 @@ def test_independent_graphs_in_threads(engine: pargrad.Engine) -> None:
     run_threads(work)
     for data, grad in results.values():
         np.testing.assert_allclose(grad, np.tanh(data) + data * (1 - np.tanh(data) ** 2))
+
+
+def test_threads_saving_one_output_at_once_share_its_counter(engine: pargrad.Engine) -> None:
+    """The version counter of a saved output is made by the first thread that asks
+    (``counter_of``): every thread saving it gets that one, and the node that made the
+    output sees a later in-place change through it."""
+    x = pargrad.tensor(np.linspace(-1.0, 1.0, 4), requires_grad=True)
+    for _ in range(20):
+        y = pargrad.tanh(x)  # TanhBackward saves y, with no counter made yet
+        w = pargrad.tensor(np.full(4, 2.0), requires_grad=True)
+        products: list[pargrad.Tensor] = []
+        start = threading.Barrier(8)
+
+        def record(y: pargrad.Tensor = y, w: pargrad.Tensor = w,
+                   products: list[pargrad.Tensor] = products,
+                   start: threading.Barrier = start) -> None:
+            start.wait()
+            products.append(y * w)  # saves y: asks for y's counter
+
+        run_threads(record)
+        counters = {id(r.counter) for p in products for r in p.grad_fn.saved_versions
+                    if r.where == 0}
+        node = y.grad_fn
+        assert counters == {id(y._counter)} == {id(node.output_counter)}
+        with pargrad.no_grad():
+            y.add_(1.0)
+        loss = pargrad.sum(products[0])
+        try:
+            loss.backward()
+        except pargrad.BackwardError as exc:
+            assert exc.node_name == "MultiplyBackward"  # the first to read y's values
+        else:
+            raise AssertionError("the in-place change of a saved output went unseen")
+        assert x.grad is None and w.grad is None

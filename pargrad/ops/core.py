@@ -28,11 +28,11 @@ from pargrad.grad_mode import is_grad_enabled
 from pargrad.graph import (
     NR_AND_ZERO,
     ONE_NR,
+    SHARED_NRS,
     BackwardError,
     Grad,
     Meta,
     Node,
-    input_nrs_of,
     next_sequence_nr,
 )
 from pargrad.parallel import elementwise, large
@@ -596,7 +596,8 @@ class OpNode(Node):
             missing = next(i for i in range(op.ruled, len(args)) if live >> i & 1)
             raise TypeError(f"{op.name}: no gradient rule for argument {missing}")
         self.next_nodes = tuple(nodes)
-        self.input_nrs = input_nrs_of(nrs)
+        found_nrs = tuple(nrs)
+        self.input_nrs = SHARED_NRS.get(found_nrs, found_nrs)  # input_nrs_of, inline
         # One argument: its interned ``(meta,)`` is the tuple of input metadata.
         self._input_meta = (found if found is not None and live == 1 and bit == 2
                             else metas_of(metas))
