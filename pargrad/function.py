@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from pargrad import anomaly, grad_mode
 from pargrad.devices import Device, common_device
 from pargrad.grad_mode import is_grad_enabled, no_grad
 from pargrad.graph import BackwardError, Grad, Node
@@ -324,21 +325,56 @@ class FunctionNode(Node):
             return grads
         return tuple(None if i in self.not_tensors else g for i, g in enumerate(grads))
 
+    # Run for every custom Function's node of a backward: the common case in one frame.
+    def apply(self, grads: Sequence[Grad | None], *, retain_graph: bool) -> list[Grad | None]:
+        """``Node.apply``, with a lean path for the common case: no hooks, every output a
+        tensor, anomaly mode off, no graph of the backward recorded. The gradients are
+        wrapped as Tensors in one pass (zeros for an output that got none, unless the
+        Function turned that off), the user's ``backward`` runs, and its results go
+        through ``Node._check`` as on the general path, which raises the same errors."""
+        if (self._hooks is not None or self.not_tensors or self._released
+                or anomaly.mode.enabled or grad_mode.mode.enabled):
+            return Node.apply(self, grads, retain_graph=retain_graph)
+        device, materialize = self.device, self.materialize_grads
+        wrapped: list[Tensor | None] = []
+        for g, (shape, dtype) in zip(grads, self._output_meta):
+            if g is None:
+                wrapped.append(Tensor._make(np.zeros(shape, dtype), None, 0, device)
+                               if materialize else None)
+            elif isinstance(g, Tensor):
+                wrapped.append(g)
+            else:
+                wrapped.append(Tensor._make(np.asarray(g), None, 0, device))
+        try:
+            results = self._results(self.function.backward(self.ctx, *wrapped))
+        except BackwardError:
+            raise
+        except Exception as exc:
+            raise self._failure(exc) from exc
+        checked = self._check([r.data if isinstance(r, Tensor) else r for r in results])
+        if not retain_graph and self._free_saved():
+            self._released = True
+        return checked
+
     def backward(self, grads: tuple[Grad, ...]) -> list[Grad | None]:
         wrapped = [g if g is None or isinstance(g, Tensor)
                    else Tensor._make(np.asarray(g), device=self.device)
                    for g in self._tensor_grads(grads)]
         backward = self.function.backward
-        result = backward(self.ctx, *wrapped)
-        results = tuple(result) if isinstance(result, (tuple, list)) else (result,)
-        inputs = len(self.next_nodes)
-        if len(results) > inputs and all(r is None for r in results[inputs:]):
-            results = results[:inputs]  # trailing Nones beyond the inputs: accepted
+        results = self._results(backward(self.ctx, *wrapped))
         if not is_grad_enabled():
             return [r.data if isinstance(r, Tensor) else r for r in results]
         if getattr(backward, "once_differentiable", False):
             return _delayed_error(self, wrapped, results)
         return list(results)
+
+    def _results(self, result: Any) -> tuple[Any, ...]:
+        """What the user's ``backward`` returned, as a tuple of one entry per input."""
+        results = tuple(result) if isinstance(result, (tuple, list)) else (result,)
+        inputs = len(self.next_nodes)
+        if len(results) > inputs and all(r is None for r in results[inputs:]):
+            results = results[:inputs]  # trailing Nones beyond the inputs: accepted
+        return results
 
 
 def _delayed_error(node: FunctionNode, grads: list[Any], results: tuple[Any, ...]) -> list[Any]:

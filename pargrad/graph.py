@@ -330,15 +330,21 @@ class Node:
             outputs = self.backward(full)
         except BackwardError:
             raise
-        except Exception as exc:  # its traceback goes on to the failing line itself
-            raise BackwardError(self.name(), f"{type(exc).__name__}: {exc}"
-                                ).with_traceback(exc.__traceback__) from exc
+        except Exception as exc:
+            raise self._failure(exc) from exc
         checked = self._check(outputs)
         if hooks is not None and hooks.post:
             checked = self._run_post_hooks(hooks, checked, full)
         if not retain_graph and self._free_saved():
             self._released = True
         return checked
+
+    def _failure(self, exc: Exception) -> BackwardError:
+        """The error to raise, ``from exc``, for ``exc`` (not a ``BackwardError``) raised
+        by this node's ``backward``: one naming this node, whose traceback goes on to the
+        failing line itself."""
+        return BackwardError(self.name(), f"{type(exc).__name__}: {exc}"
+                             ).with_traceback(exc.__traceback__)
 
     def _check(self, outputs: Sequence[Grad | None]) -> list[Grad | None]:
         if len(outputs) != len(self.next_nodes):

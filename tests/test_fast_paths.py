@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 
 import pargrad
 import pargrad.ops
+from pargrad.function import FunctionNode
 from pargrad.graph import Node
 from pargrad.ops.core import Op, OpNode, defop
 from tests.strategies import GraphRecipe, graph_recipes
@@ -49,6 +50,7 @@ def general(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
             for op in every_op():
                 monkeypatch.setattr(op, "lean", False)
             monkeypatch.setattr(OpNode, "apply", Node.apply)
+            monkeypatch.setattr(FunctionNode, "apply", Node.apply)
 
         def off(self) -> None:
             monkeypatch.undo()
@@ -191,7 +193,36 @@ def _output_changed_through(how: str) -> Any:
     return build
 
 
+class _Faulty(pargrad.Function):
+    """A custom Function whose backward does what ``how`` (a class attribute) says."""
+
+    how = "raises"
+
+    @staticmethod
+    def forward(ctx: Any, x: Any) -> Any:
+        return x.data * 2.0
+
+    @staticmethod
+    def backward(ctx: Any, g: Any) -> Any:
+        if _Faulty.how == "raises":
+            raise ValueError("this backward fails")
+        if _Faulty.how == "wrong shape":
+            return np.ones(7)
+        if _Faulty.how == "too many":
+            return g * 2.0, g
+        return "not a gradient"
+
+
+def _function_fails(how: str) -> Any:
+    def build(x: pargrad.Tensor) -> pargrad.Tensor:
+        _Faulty.how = how
+        return pargrad.tanh(_Faulty.apply(x * 1.0)).sum()
+    return build
+
+
 BUILDS = {
+    **{f"Function's backward: {how}": _function_fails(how)
+       for how in ("raises", "wrong shape", "too many", "not a gradient")},
     "wrong shape": lambda x: bad_shape(x).sum(),
     "rule raises": lambda x: raising(x).sum(),
     "saved argument changed": _saved_changed,
