@@ -26,6 +26,7 @@ import pargrad.ops
 from pargrad.function import FunctionNode
 from pargrad.graph import Node
 from pargrad.ops.core import Op, OpNode, defop
+from pargrad.versions import VersionCounter
 from tests.strategies import GraphRecipe, graph_recipes
 
 fixture_ok = settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -305,10 +306,9 @@ def test_a_node_keeps_no_array_its_rules_do_not_read(case: str, path: str,
 @pytest.mark.parametrize("path", ["lean", "general"])
 def test_a_saved_output_gets_its_version_counter_only_when_changed(path: str,
                                                                    general: Any) -> None:
-    from pargrad.versions import VersionCounter
-
     if path == "general":
         general.on()
+
     def counters() -> int:
         return sum(type(o) is VersionCounter for o in gc.get_objects())
 
