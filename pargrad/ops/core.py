@@ -574,13 +574,12 @@ class OpNode(Node):
                 tensors |= bit
                 if a._requires_grad:
                     fn = a.grad_fn
-                    if fn is not None:
-                        nodes.append(fn)
-                        nrs.append(a.output_nr)
-                    else:
+                    if fn is None:  # a leaf (or a view): its edge
                         fn, nr = a._edge()
-                        nodes.append(fn)
-                        nrs.append(nr)
+                    else:
+                        nr = a.output_nr
+                    nodes.append(fn)
+                    nrs.append(nr)
                     array = a.data
                     found = _metas.get((array.shape, array.dtype)) or meta_of(array)
                     metas.append(found[0])
@@ -637,8 +636,12 @@ class OpNode(Node):
                                    else outs[0])
             mask = plan.mask
             if mask & tensors:  # the values of Tensors: the arrays apart
-                self.saved_args: tuple[Any, ...] | None = _only(args, mask)
-                self.saved_arrays: tuple[Any, ...] | None = _only(arrays, mask)
+                if mask == (1 << len(args)) - 1:  # every one read (x * w): no _only calls
+                    self.saved_args: tuple[Any, ...] | None = tuple(args)
+                    self.saved_arrays: tuple[Any, ...] | None = tuple(arrays)
+                else:
+                    self.saved_args = _only(args, mask)
+                    self.saved_arrays = _only(arrays, mask)
                 self.saved_versions: Saved = saved_versions(args, plan.args)
             else:  # scalars and plain arrays at most, each its own array
                 self.saved_args = self.saved_arrays = _only(arrays, mask)
