@@ -494,12 +494,16 @@ def reachable(roots: Iterable[Node], within: Container[Node] | None = None
             if next_node is None:
                 continue
             owed = find(next_node)
-            if owed is None:
-                if within is not None and next_node not in within:
-                    continue
-                owed = counts[next_node] = [0] * len(next_node._output_meta)
+            if owed is not None:
+                owed[nrs[i]] += 1
+            elif within is None or next_node in within:  # found: counted from this edge
+                outputs = len(next_node._output_meta)
+                if outputs == 1:
+                    counts[next_node] = [1]
+                else:
+                    owed = counts[next_node] = [0] * outputs
+                    owed[nrs[i]] = 1
                 push(next_node)
-            owed[nrs[i]] += 1
     return counts
 
 
