@@ -48,18 +48,26 @@ class _Mode(threading.local):
 
 
 mode = _Mode()
-"""The calling thread's anomaly mode. Read ``mode.enabled`` on hot paths (one attribute
-read of a thread-local); change it only through the functions and blocks below."""
+"""The calling thread's anomaly mode; change it only through the functions and blocks
+below. On hot paths read ``on and mode.enabled`` (see ``on``)."""
+
+on = 0
+"""How many threads have anomaly mode on now: each thread counts itself from before it
+turns its mode on until after it turns it off, so while this thread's mode is on ``on``
+is at least 1. So ``on and mode.enabled`` is this thread's mode, and reads no
+thread-local while no thread debugs (as ``grad_mode.off``)."""
+_on_lock = threading.Lock()
+"""Guards ``on``'s updates (a read is one load)."""
 
 
 def is_anomaly_enabled() -> bool:
     """True if anomaly mode is on in the calling thread."""
-    return mode.enabled
+    return bool(on) and mode.enabled
 
 
 def is_anomaly_check_nan_enabled() -> bool:
     """True if a backward called from this thread checks gradients for NaN and Inf."""
-    return mode.enabled and mode.check_nan
+    return bool(on) and mode.enabled and mode.check_nan
 
 
 def current_mode() -> tuple[bool, bool]:
@@ -69,7 +77,18 @@ def current_mode() -> tuple[bool, bool]:
 
 def set_mode(state: tuple[bool, bool]) -> None:
     """Set the calling thread's ``(enabled, check_nan)`` (what ``current_mode`` returned)."""
-    mode.enabled, mode.check_nan = state
+    global on
+    enabled, mode.check_nan = bool(state[0]), state[1]
+    if enabled is mode.enabled:
+        return
+    if enabled:
+        with _on_lock:
+            on += 1
+        mode.enabled = True
+    else:
+        mode.enabled = False
+        with _on_lock:
+            on -= 1
 
 
 def _saved_modes() -> list[tuple[bool, bool]]:

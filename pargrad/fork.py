@@ -16,6 +16,8 @@ Guarantees:
   ReadyQueues and backward calls in flight, and makes anew the per-engine locks a parent
   thread may have held; its workers start afresh on first use. The BLAS gate and limit
   counts (``engine/blas.py``) start from zero.
+- In the child, the counts of threads with grad mode off and with anomaly mode on
+  (``grad_mode.off``, ``anomaly.on``) count the forking thread alone.
 - In the child, the futures of the parent's asynchronous backward calls that had not
   resolved are resolved with a RuntimeError that says why (their done-callbacks run in
   the child, then); ``result()`` raises it at once instead of waiting forever.
@@ -33,7 +35,7 @@ from __future__ import annotations
 import os
 import threading
 
-from pargrad import devices, graph, hooks, tensor, versions
+from pargrad import anomaly, devices, grad_mode, graph, hooks, tensor, versions
 from pargrad import futures as _futures
 from pargrad.engine import blas, selection, threaded, trace
 
@@ -57,6 +59,8 @@ GLOBAL_LOCKS: tuple[threading.Lock, ...] = (
     blas._gate_lock,
     trace._profiles_lock,
     trace._task_lock,
+    grad_mode._off_lock,
+    anomaly._on_lock,
 )
 """Every process-wide lock of pargrad, in the order the fork handler takes them."""
 
@@ -73,6 +77,9 @@ def _after_in_child() -> None:
         future._condition._at_fork_reinit()  # type: ignore[attr-defined]
     in_flight = [f for f in futures if not f.done()]
     blas._in_gate = 0  # the parent's BLAS nodes are not running here
+    # Only this thread is left: it alone is counted with grad mode off or anomaly on.
+    grad_mode.off = int(not grad_mode.mode.enabled)
+    anomaly.on = int(anomaly.mode.enabled)
     if blas._entered:  # a parent's backward held the BLAS limit: give it back
         blas._entered = 1
         _release_locks()

@@ -333,7 +333,8 @@ class FunctionNode(Node):
         Function turned that off), the user's ``backward`` runs, and its results go
         through ``Node._check`` as on the general path, which raises the same errors."""
         if (self._hooks is not None or self.not_tensors or self._released
-                or anomaly.mode.enabled or grad_mode.mode.enabled):
+                or (anomaly.on and anomaly.mode.enabled)
+                or not grad_mode.off or grad_mode.mode.enabled):
             return Node.apply(self, grads, retain_graph=retain_graph)
         device, materialize = self.device, self.materialize_grads
         wrapped: list[Tensor | None] = []

@@ -155,7 +155,8 @@ class Node:
         self.sequence_nr = next_sequence_nr()
         self._hooks: NodeHooks | None = None  # made by the first hook registered
         # Where the forward created this node: recorded only under anomaly mode.
-        self._forward_trace = anomaly.forward_trace() if anomaly.mode.enabled else None
+        self._forward_trace = (anomaly.forward_trace() if anomaly.on and anomaly.mode.enabled
+                               else None)
 
     @property
     def next_functions(self) -> tuple[Edge, ...]:
@@ -294,7 +295,7 @@ class Node:
         returned gradient holds NaN or Inf, and any error it raises carries the stack of
         the forward call that created this node (``anomaly.add_forward_trace``).
         """
-        if not anomaly.mode.enabled:  # all that anomaly mode costs when it is off
+        if not (anomaly.on and anomaly.mode.enabled):  # all anomaly mode costs when it is off
             return self._apply(grads, retain_graph)
         try:
             checked = self._apply(grads, retain_graph)

@@ -96,3 +96,34 @@ def test_threads_saving_one_output_at_once_share_its_counter(engine: pargrad.Eng
         else:
             raise AssertionError("the in-place change of a saved output went unseen")
         assert x.grad is None and w.grad is None
+
+
+def test_threads_switching_modes_each_see_and_record_their_own() -> None:
+    """Grad and anomaly mode are per thread, and the hot paths skip the thread-local
+    while no thread has grad mode off or anomaly mode on (``grad_mode.off``,
+    ``anomaly.on``): with threads switching both at once, each thread's ops still
+    record (or not), and keep a forward stack (or not), by its own mode alone."""
+    from pargrad import anomaly, grad_mode
+
+    off, on = grad_mode.off, anomaly.on
+    x = pargrad.tensor(np.ones(3), requires_grad=True)
+    start = threading.Barrier(8)
+
+    def work() -> None:
+        start.wait()
+        for i in range(300):
+            assert pargrad.is_grad_enabled() and not pargrad.is_anomaly_enabled()
+            assert (x * 2.0).grad_fn is not None
+            if i % 2:
+                with pargrad.no_grad():
+                    assert not pargrad.is_grad_enabled()
+                    assert (x * 2.0).grad_fn is None and pargrad.tanh(x).grad_fn is None
+            else:
+                with pargrad.detect_anomaly():
+                    assert pargrad.is_anomaly_enabled()
+                    assert (x * 2.0).grad_fn._forward_trace is not None
+                node = pargrad.tanh(x).grad_fn
+                assert node is not None and node._forward_trace is None
+
+    run_threads(work)
+    assert (grad_mode.off, anomaly.on) == (off, on)  # each thread took back its count

@@ -195,3 +195,34 @@ def test_fork_while_a_parent_thread_holds_a_future_and_global_locks() -> None:
     finally:
         release.set()
         thread.join(30)
+
+
+def test_the_child_counts_only_its_own_thread_in_the_mode_counts() -> None:
+    # A parent thread sits in no_grad under anomaly mode across the fork; it does not
+    # exist in the child, so the child's counts are its own thread's alone.
+    from pargrad import anomaly, grad_mode
+
+    inside, release = threading.Event(), threading.Event()
+
+    def parked() -> None:
+        with pargrad.no_grad(), pargrad.detect_anomaly():
+            inside.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=parked, daemon=True)
+    thread.start()
+    assert inside.wait(10)
+
+    def work() -> int:
+        if (grad_mode.off, anomaly.on) != (0, 0):
+            return 2
+        with pargrad.no_grad():
+            if (grad_mode.off, pargrad.is_grad_enabled()) != (1, False):
+                return 3
+        return 0 if (leaf(1.0) * 2).grad_fn is not None and grad_mode.off == 0 else 4
+
+    try:
+        assert fork_and_run(work) == 0
+    finally:
+        release.set()
+        thread.join(10)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Iterator
 
 import pargrad
 
@@ -99,3 +101,48 @@ def test_one_instance_shared_by_threads() -> None:
     for t in threads:
         t.join(10)
     assert sorted(results) == [False] * 4 + [True] * 4
+
+
+def test_every_switch_and_backward_gives_back_its_count(engine: pargrad.Engine) -> None:
+    # grad_mode.off counts the threads with grad mode off, and anomaly.on those with
+    # anomaly mode on; every way in and out of a mode, on any thread an engine uses,
+    # must leave them as it found them (a leak would only slow ops, but never silently).
+    from pargrad import anomaly, grad_mode
+
+    def counts() -> tuple[int, int]:
+        return grad_mode.off, anomaly.on
+
+    before = counts()
+    x = pargrad.tensor([1.0, 2.0], requires_grad=True)
+    with pargrad.no_grad():
+        assert grad_mode.off == before[0] + 1
+        with pargrad.no_grad(), pargrad.enable_grad():
+            pass
+    pargrad.set_grad_enabled(False)
+    pargrad.set_grad_enabled(False)  # no change: counted once
+    assert grad_mode.off == before[0] + 1
+    pargrad.set_grad_enabled(True)
+
+    @pargrad.no_grad()
+    def steps() -> Iterator[bool]:
+        yield pargrad.is_grad_enabled()
+        yield pargrad.is_grad_enabled()
+
+    assert list(steps()) == [False, False]
+    with pargrad.detect_anomaly():
+        y = (x * x).sum()
+        y.backward(create_graph=True)  # recording the backward's graph, under anomaly
+    assert x.grad is not None
+    x.grad.sum().backward()
+    with pargrad.set_detect_anomaly(True), pargrad.no_grad():
+        try:
+            with pargrad.enable_grad():
+                raise KeyError
+        except KeyError:
+            pass
+    # A worker thread gives its count back as it leaves the task, which may be just
+    # after the caller's backward returned.
+    deadline = time.monotonic() + 10
+    while counts() != before and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert counts() == before

@@ -247,7 +247,7 @@ class Op:
         if device is None:
             device = CPU
         node: OpNode | None = None
-        kind = out.dtype.kind if grad and grad_mode.mode.enabled else ""
+        kind = out.dtype.kind if grad and (not grad_mode.off or grad_mode.mode.enabled) else ""
         if kind == "f":
             node = _new(self.node_type)  # OpNode(...) without type.__call__'s dispatch
             if not one:
@@ -279,7 +279,8 @@ class Op:
                 node.device = device
                 node.sequence_nr = next_sequence_nr()
                 node._hooks = None
-                node._forward_trace = anomaly.forward_trace() if anomaly.mode.enabled else None
+                node._forward_trace = (anomaly.forward_trace()
+                                       if anomaly.on and anomaly.mode.enabled else None)
                 node.op = self
                 node.params = params or NO_PARAMS
                 node.output_counter = None
@@ -621,7 +622,8 @@ class OpNode(Node):
         self.device = device
         self.sequence_nr = next_sequence_nr()
         self._hooks = None
-        self._forward_trace = anomaly.forward_trace() if anomaly.mode.enabled else None
+        self._forward_trace = (anomaly.forward_trace() if anomaly.on and anomaly.mode.enabled
+                               else None)
         self.op = op
         self.params = params
         self.output_counter: VersionCounter | None = None
@@ -695,7 +697,8 @@ class OpNode(Node):
         op = self.op
         rules = op.direct_rules
         if (rules is None or type(g) is not np.ndarray or self._hooks is not None
-                or args is None or anomaly.mode.enabled or grad_mode.mode.enabled):
+                or args is None or (anomaly.on and anomaly.mode.enabled)
+                or not grad_mode.off or grad_mode.mode.enabled):
             return Node.apply(self, grads, retain_graph=retain_graph)
         counter = self.output_counter
         if self.saved_versions or (counter is not None and counter.value):
