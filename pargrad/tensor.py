@@ -85,7 +85,8 @@ class Tensor:
     """A numpy array with an optional gradient and the graph node that produced it.
 
     Attributes:
-        data: the numpy array (read it, or replace it under ``no_grad`` to update weights).
+        data: the numpy array (read it, or replace it under ``no_grad`` to update weights;
+            on a tensor an op made, only with an array of the same shape and dtype).
         requires_grad: whether gradients flow to this tensor.
         grad: accumulated gradient of a leaf (a Tensor or None; set to None to reset).
         grad_fn: the Node that produced this tensor, ``None`` for leaves.

@@ -306,6 +306,23 @@ def test_replacing_data_after_the_forward_keeps_the_gradient() -> None:
         loss2.backward(create_graph=True)
 
 
+def test_a_leaf_whose_data_changes_shape_records_its_new_shape() -> None:
+    # A leaf's shape and dtype are read from its array at each op (a non-leaf's come
+    # from its node's record), on the one-tensor path and the general one.
+    w = pargrad.tensor([1.0, 2.0], requires_grad=True)
+    (pargrad.tanh(w) * w).sum().backward()
+    assert w.grad.shape == (2,)
+    w.grad = None
+    with pargrad.no_grad():
+        w.data = np.ones((2, 3), np.float32)
+    y = pargrad.tanh(w) * 2.0
+    assert y.grad_fn.next_nodes[0]._input_meta[0] == ((2, 3), np.dtype(np.float32))
+    (y * w).sum().backward()
+    assert w.grad.shape == (2, 3) and w.grad.dtype == np.float32
+    np.testing.assert_allclose(w.grad.data, 2 * np.tanh(1.0) + 2 * (1 - np.tanh(1.0) ** 2),
+                               rtol=1e-6)
+
+
 def test_in_place_operators() -> None:
     w = pargrad.tensor([1.0, 2.0], requires_grad=True)
     (w * w).sum().backward()

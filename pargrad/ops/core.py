@@ -261,9 +261,14 @@ class Op:
                 fn = x.grad_fn
                 if fn is not None:
                     nr = x.output_nr
-                else:
+                    # x's shape and dtype: those its node recorded for it, when it is that
+                    # node's only output (x.data replaced on a non-leaf is not supported)
+                    found = fn._output_meta
+                    if nr or len(found) != 1:
+                        found = _metas.get((array.shape, array.dtype)) or meta_of(array)
+                else:  # a leaf: its data may have been replaced (weights), so read it
                     fn, nr = x._edge()
-                found = _metas.get((array.shape, array.dtype)) or meta_of(array)
+                    found = _metas.get((array.shape, array.dtype)) or meta_of(array)
                 if n == 1:
                     node.next_nodes = (fn,)
                     node.input_nrs = ONE_NR[nr] if nr < 16 else (nr,)
@@ -554,7 +559,7 @@ class OpNode(Node):
 
     # Run for every recorded op but the most common calls (record_one): one pass over the
     # arguments, no helper calls but _keep.
-    def record(
+    def record(  # noqa: PLR0915
         self, op: Op, args: Sequence[Any], arrays: Sequence[Any], params: dict[str, Any],
         outs: tuple[np.ndarray, ...], device: Device,
     ) -> None:
@@ -569,20 +574,23 @@ class OpNode(Node):
         tensors = 0  # bit i: argument i is a Tensor
         bit = 1
         cost = 0
-        found: tuple[Meta] | None = None
+        found: tuple[Meta, ...] | None = None
         for a in args:
             if isinstance(a, Tensor):
                 tensors |= bit
                 if a._requires_grad:
                     fn = a.grad_fn
+                    array = a.data
                     if fn is None:  # a leaf (or a view): its edge
                         fn, nr = a._edge()
-                    else:
+                        found = _metas.get((array.shape, array.dtype)) or meta_of(array)
+                    else:  # as in Op.call: its node's record of it, if its only output
                         nr = a.output_nr
+                        found = fn._output_meta
+                        if nr or len(found) != 1:
+                            found = _metas.get((array.shape, array.dtype)) or meta_of(array)
                     nodes.append(fn)
                     nrs.append(nr)
-                    array = a.data
-                    found = _metas.get((array.shape, array.dtype)) or meta_of(array)
                     metas.append(found[0])
                     cost += array.size
                     live |= bit
