@@ -247,7 +247,8 @@ class Op:
         if device is None:
             device = CPU
         node: OpNode | None = None
-        kind = out.dtype.kind if grad and (not grad_mode.off or grad_mode.mode.enabled) else ""
+        kind = ((dtype := out.dtype).kind if grad and (not grad_mode.off or grad_mode.mode.enabled)
+                else "")
         if kind == "f":
             node = _new(self.node_type)  # OpNode(...) without type.__call__'s dispatch
             if not one:
@@ -277,9 +278,12 @@ class Op:
                     node.next_nodes = (fn, None)
                     node.input_nrs = NR_AND_ZERO[nr] if nr < 16 else (nr, 0)
                     node._input_meta = _and_none.get(found) or meta_and_none(found)
-                node._output_meta = (found if self.ufunc and out.dtype is array.dtype  # x's
-                                     else _metas.get((out.shape, out.dtype)) or meta_of(out))
-                node.cost = array.size + out.size
+                if self.ufunc and dtype is found[0][1]:  # x's shape and dtype, so x's meta
+                    node._output_meta = found
+                    node.cost = 2 * array.size
+                else:
+                    node._output_meta = _metas.get((out.shape, dtype)) or meta_of(out)
+                    node.cost = array.size + out.size
                 node._released = False
                 node.device = device
                 node.sequence_nr = next_sequence_nr()
