@@ -69,6 +69,10 @@ class Device:
 # Guards _devices: interning must hand every thread the same object for one name.
 _devices_lock = threading.Lock()
 _devices: dict[tuple[str, int], Device] = {}
+_named: dict[str, Device] = {}
+"""Every name ``device()`` has parsed, with its Device: ``x.to("cpu")`` in a loop reads
+this, without the lock (a dict's get and set are each atomic; two threads parsing one
+name at once store the same interned Device)."""
 
 
 def device(spec: str | Device) -> Device:
@@ -77,6 +81,10 @@ def device(spec: str | Device) -> Device:
     Raises ValueError for an unknown device type or a malformed index, and TypeError
     for anything that is not a string or a Device. Thread-safe.
     """
+    if type(spec) is str:
+        found = _named.get(spec)
+        if found is not None:
+            return found
     if isinstance(spec, Device):
         return spec
     if not isinstance(spec, str):
@@ -97,7 +105,8 @@ def device(spec: str | Device) -> Device:
         found = _devices.get((kind, index))
         if found is None:
             found = _devices[(kind, index)] = Device(kind, index)
-        return found
+    _named[spec] = found
+    return found
 
 
 def available_cores() -> int:

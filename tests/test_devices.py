@@ -30,6 +30,26 @@ def test_device_names() -> None:
         one.index = 2  # type: ignore[misc]
 
 
+def test_a_name_parsed_once_is_not_parsed_again_and_bad_names_always_raise() -> None:
+    from pargrad import devices
+
+    two = pargrad.device("cpu:2")
+    assert devices._named["cpu:2"] is two is pargrad.device("cpu:2")
+    devices._named["cpu:2"] = pargrad.device("cpu:3")  # a parse would not find this one
+    try:
+        assert pargrad.device("cpu:2") is pargrad.device("cpu:3")
+    finally:
+        devices._named["cpu:2"] = two
+    for _ in range(2):
+        with pytest.raises(ValueError, match="unknown device type 'gpu'"):
+            pargrad.device("gpu")
+    assert "gpu" not in devices._named
+    x = pargrad.tensor([1.0], requires_grad=True)
+    assert x.to("cpu") is x and x.to(pargrad.device("cpu")) is x
+    y = x.to("cpu:2")
+    assert y.device is two and y.to("cpu:2") is y and y.grad_fn.name() == "ToBackward"
+
+
 def test_tensors_carry_their_device() -> None:
     x = pargrad.tensor([1.0, 2.0], requires_grad=True, device="cpu:1")
     assert x.device is pargrad.device("cpu:1")

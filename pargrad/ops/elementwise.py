@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from pargrad.devices import Device, device
+from pargrad.devices import CPU, Device, device
 from pargrad.ops import fused, large
 from pargrad.ops.core import defop, implements, nondifferentiable
 from pargrad.tensor import Tensor
@@ -236,10 +236,13 @@ def to(x: Any, device_: str | Device) -> Tensor:
     Differentiable: the gradient of the copy flows back to ``x`` on ``x``'s device.
     Raises ValueError / TypeError for a device name that is not understood.
     """
-    target = device(device_)
-    source = x.device if isinstance(x, Tensor) else device("cpu")
-    if isinstance(x, Tensor) and source is target:
-        return x
+    target = device_ if type(device_) is Device else device(device_)
+    if isinstance(x, Tensor):
+        source = x._device
+        if source is target:
+            return x
+    else:
+        source = CPU
     return _to(x, device=target, source=source)
 
 
