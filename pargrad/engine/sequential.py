@@ -132,9 +132,9 @@ def run_graph(roots: Sequence[Edge], grads: Sequence[Grad], counts: dict[Node, l
                 raise BackwardError(node.name(), f"{type(exc).__name__}: {exc}") from exc
             del grads_
             # Deliver each gradient to the next node's buffer, releasing the edge it came
-            # along; a node whose counters reach zero is ready. The first that is ready
-            # (``follow``, with its gradients in ``grads_``) skips the heap when it is the
-            # newest: in a chain, every node.
+            # along; a node whose counters reach zero is ready. One found ready while the
+            # heap is empty (``follow``, with its gradients in ``grads_``) skips the heap
+            # if it is still the newest at the end: in a chain, every node.
             follow = None
             for next_node, input_nr, grad in zip(node.next_nodes, node.input_nrs, outputs):
                 if next_node is None:
@@ -144,10 +144,10 @@ def run_graph(roots: Sequence[Edge], grads: Sequence[Grad], counts: dict[Node, l
                     continue
                 if owed == _ONE and next_node not in buffers:  # the one edge into a one-output
                     owed[0] = 0  # node: ready with just this gradient, no buffer needed
-                    if follow is None:
-                        follow, grads_ = next_node, [grad]
-                    else:
+                    if ready or follow is not None:
                         heappush(ready, (-next_node.sequence_nr, next_node, [grad]))
+                    else:
+                        follow, grads_ = next_node, [grad]
                     continue
                 buffer = buffers.get(next_node)
                 if buffer is None:
@@ -155,14 +155,14 @@ def run_graph(roots: Sequence[Edge], grads: Sequence[Grad], counts: dict[Node, l
                 buffer.accumulate(input_nr, grad)
                 owed[input_nr] -= 1
                 if not any(owed):
-                    if follow is None:
-                        follow, grads_ = next_node, buffers.pop(next_node).take()
-                    else:
+                    if ready or follow is not None:
                         heappush(ready, (-next_node.sequence_nr, next_node,
                                          buffers.pop(next_node).take()))
+                    else:
+                        follow, grads_ = next_node, buffers.pop(next_node).take()
             if follow is None:
                 break
-            if ready and ready[0][0] < -follow.sequence_nr:  # a newer node is ready: first
+            if ready and ready[0][0] < -follow.sequence_nr:  # a newer one came after it
                 heappush(ready, (-follow.sequence_nr, follow, grads_))
                 break
             node = follow  # what heappop would return next (sequence numbers are distinct)
