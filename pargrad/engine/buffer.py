@@ -18,6 +18,10 @@ import numpy as np
 
 from pargrad.graph import Grad
 
+_add = np.add
+"""numpy's add, called with ``out`` positional: ~100 ns less per call than ``out=`` on
+the small arrays where the call is most of the cost."""
+
 Key = tuple[int, ...]
 """Where a contribution sits in the canonical order: ``(0, root_index)`` for a root
 gradient, ``(1, -producer.sequence_nr, edge_index)`` for one sent along an edge."""
@@ -30,9 +34,9 @@ def accumulate(total: Grad | None, owned: bool, grad: Grad) -> tuple[Grad, bool]
     if not (isinstance(total, np.ndarray) and isinstance(grad, np.ndarray)):
         return total + grad, False
     if owned:
-        np.add(total, grad, out=total)
+        _add(total, grad, total)
         return total, True
-    return np.asarray(np.add(total, grad)), True
+    return np.asarray(_add(total, grad)), True
 
 
 class InputBuffer:
@@ -65,9 +69,9 @@ class InputBuffer:
             sums[output_nr] = total + grad
             self._owned &= ~(1 << output_nr)
         elif self._owned >> output_nr & 1:
-            np.add(total, grad, out=total)
+            _add(total, grad, total)
         else:
-            sums[output_nr] = np.asarray(np.add(total, grad))
+            sums[output_nr] = np.asarray(_add(total, grad))
             self._owned |= 1 << output_nr
 
     def take(self) -> list[Grad | None]:
