@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pargrad
 
@@ -146,3 +147,40 @@ def test_every_switch_and_backward_gives_back_its_count(engine: pargrad.Engine) 
     while counts() != before and time.monotonic() < deadline:
         time.sleep(0.001)
     assert counts() == before
+
+
+class Nest(pargrad.Function):
+    """x * 2, whose backward runs a backward of the same kind ``n`` levels deeper."""
+
+    @staticmethod
+    def forward(ctx: Any, t: pargrad.Tensor, n: int) -> Any:
+        ctx.n = n
+        return t.data * 2.0
+
+    @staticmethod
+    def backward(ctx: Any, g: pargrad.Tensor) -> tuple[pargrad.Tensor, None]:
+        if ctx.n > 0:
+            z = pargrad.tensor([1.0], requires_grad=True)
+            with pargrad.enable_grad():
+                out = Nest.apply(z, ctx.n - 1).sum()
+            (inner,) = pargrad.grad(out, [z])
+            assert inner.data.tolist() == [2.0]
+        return g * 2.0, None
+
+
+def test_backward_calls_nested_past_one_stack_give_back_their_counts(
+        engine: pargrad.Engine) -> None:
+    # Nested deeper than MAX_REENTRANT_DEPTH, a backward continues on a fresh thread,
+    # which takes the caller's anomaly mode: it gives its count back as it ends.
+    from pargrad import anomaly, grad_mode
+    from pargrad.engine.sequential import MAX_REENTRANT_DEPTH
+
+    before = grad_mode.off, anomaly.on
+    x = pargrad.tensor([1.0], requires_grad=True)
+    with pargrad.detect_anomaly():
+        (got,) = pargrad.grad(Nest.apply(x, MAX_REENTRANT_DEPTH + 8).sum(), [x])
+    assert got.data.tolist() == [2.0]
+    deadline = time.monotonic() + 10
+    while (grad_mode.off, anomaly.on) != before and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert (grad_mode.off, anomaly.on) == before

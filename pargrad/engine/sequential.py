@@ -197,6 +197,8 @@ def _on_fresh_stack(run: Callable[[], Any]) -> Any:
             outcome.append((True, run()))
         except BaseException as exc:  # handed to the waiting caller
             outcome.append((False, exc))
+        finally:  # a thread ends with its modes as it began (anomaly.on counts it)
+            anomaly.set_mode((False, True))
 
     thread = threading.Thread(target=target, name="pargrad-sequential-reentrant")
     thread.start()
