@@ -104,6 +104,19 @@ def test_same_root_twice(engine: pargrad.Engine) -> None:
     assert x.grad.item() == 12.0
 
 
+def test_root_gradients_given_once_twice_or_with_an_edge_in_root_order(
+        canonical_engine: pargrad.Engine) -> None:
+    # Roots given once start ready as given; one given several times sums in root
+    # order, (1e16 + 1) - 1e16 = 0 (any other order gives 1); a root reached by another
+    # root's edge waits for it, and its given gradient comes first.
+    x = leaf(1.0)
+    a, b, c = x * 1.0, x * 2.0, x * 4.0
+    d = c * 1.0
+    pargrad.backward([a, b, a, c, d, a],
+                     [np.array(g) for g in (1e16, 3.0, 1.0, 5.0, 7.0, -1e16)])
+    assert x.grad.item() == 0.0 + 3.0 * 2 + (5.0 + 7.0) * 4
+
+
 def test_leaf_as_root(engine: pargrad.Engine) -> None:
     x = leaf([1.0, 2.0])
     x.backward(np.array([5.0, 6.0]))

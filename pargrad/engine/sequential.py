@@ -95,19 +95,30 @@ def run_graph(roots: Sequence[Edge], grads: Sequence[Grad], counts: dict[Node, l
     """
     wanted = kept.wanted
     buffers: dict[Node, InputBuffer] = {}
-    # The ready list: (-sequence_nr, node, its gathered gradients), newest first.
-    ready: list[tuple[int, Node, list[Grad | None]]] = []
-
-    for (node, output_nr), grad in zip(roots, grads):
-        if node in counts:
-            buffer = buffers.get(node)
-            if buffer is None:
-                buffer = buffers[node] = InputBuffer(len(counts[node]))
-            buffer.accumulate(output_nr, grad)
     find, heappush, heappop = counts.get, heapq.heappush, heapq.heappop
-    for node in dict.fromkeys(node for node, _ in roots):
-        if node in counts and not any(counts[node]):
-            heapq.heappush(ready, (-node.sequence_nr, node, buffers.pop(node).take()))
+    # Seed the roots' buffers. A root of one output that no edge reaches, given once
+    # (most roots), is ready with its gradient as given (what its buffer would hold).
+    given_once: dict[Node, list[Grad | None]] = {}
+    for (node, output_nr), grad in zip(roots, grads):
+        if node is None or (owed := find(node)) is None:
+            continue
+        if owed == _NONE_OWED and node not in given_once and node not in buffers:
+            given_once[node] = [grad]
+            continue
+        buffer = buffers.get(node)
+        if buffer is None:
+            buffer = buffers[node] = InputBuffer(len(owed))
+            if node in given_once:  # given before: that gradient first
+                buffer.accumulate(0, given_once.pop(node)[0])
+        buffer.accumulate(output_nr, grad)
+    # The ready list: (-sequence_nr, node, its gathered gradients), newest first.
+    ready: list[tuple[int, Node, list[Grad | None]]] = [
+        (-node.sequence_nr, node, grads_) for node, grads_ in given_once.items()]
+    for node, buffer in list(buffers.items()):  # roots only, so far
+        if not any(counts[node]):
+            del buffers[node]
+            ready.append((-node.sequence_nr, node, buffer.take()))
+    heapq.heapify(ready)
     while ready:
         _, node, grads_ = heappop(ready)
         while True:  # node, then the node it made ready, straight, while that is the newest
@@ -169,6 +180,8 @@ def run_graph(roots: Sequence[Edge], grads: Sequence[Grad], counts: dict[Node, l
 
 _ONE = [1]
 """The counts of a one-output node that one edge still owes a gradient."""
+_NONE_OWED = [0]
+"""The counts of a one-output node that no edge owes a gradient."""
 
 MAX_REENTRANT_DEPTH = 32
 """Nested backward calls one thread runs on its own stack; a deeper one runs on a new
