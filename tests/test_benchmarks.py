@@ -172,13 +172,14 @@ def test_targets_that_cannot_hold_here_are_marked_expected(
     ], "quick")
     lines = capsys.readouterr().out.splitlines()
     expected = [line for line in lines if "**expected**" in line]
-    assert [line.split(":")[0].strip() for line in expected] == [
-        "tiny-chain", "tiny-chain", "random-dag", "wide-matmul"]
+    assert [line.split(":")[0].strip() for line in expected] == ["random-dag", "wide-matmul"]
     assert all('(docs/performance.md, "The targets")' in line for line in expected)
     unexpected = [line for line in lines if "FAILS" in line and "**expected**" not in line
                   and " (target " in line]
+    # The tiny chain's targets hold here now (docs/performance.md, seventh pass): a
+    # failure of one is news, not expected.
     assert [line.split(":")[0].strip() for line in unexpected] == [
-        "fan-in", "random-dag", "mlp-step"]
+        "tiny-chain", "tiny-chain", "fan-in", "random-dag", "mlp-step"]
     assert "A FAILS not marked expected can hold here" in lines[-1]
     assert "holds" in next(line for line in lines if "random-dag:1000" in line)
 
