@@ -17,7 +17,10 @@ Guarantees:
   thread may have held; its workers start afresh on first use. The BLAS gate and limit
   counts (``engine/blas.py``) start from zero.
 - In the child, the counts of threads with grad mode off and with anomaly mode on
-  (``grad_mode.off``, ``anomaly.on``) count the forking thread alone.
+  (``grad_mode.off``, ``anomaly.on``) count the forking thread alone, and their locks
+  are made anew. Those two locks are not in ``GLOBAL_LOCKS``: an at-fork ``before``
+  handler registered before pargrad's runs after it, and may switch grad or anomaly
+  mode (``no_grad``, ``detect_anomaly``); had pargrad taken them, it would deadlock.
 - In the child, the futures of the parent's asynchronous backward calls that had not
   resolved are resolved with a RuntimeError that says why (their done-callbacks run in
   the child, then); ``result()`` raises it at once instead of waiting forever.
@@ -59,8 +62,6 @@ GLOBAL_LOCKS: tuple[threading.Lock, ...] = (
     blas._gate_lock,
     trace._profiles_lock,
     trace._task_lock,
-    grad_mode._off_lock,
-    anomaly._on_lock,
 )
 """Every process-wide lock of pargrad, in the order the fork handler takes them."""
 
@@ -78,6 +79,11 @@ def _after_in_child() -> None:
     in_flight = [f for f in futures if not f.done()]
     blas._in_gate = 0  # the parent's BLAS nodes are not running here
     # Only this thread is left: it alone is counted with grad mode off or anomaly on.
+    # The counts' locks are not taken before the fork (an at-fork handler registered
+    # before pargrad's may switch a mode, which takes them): a parent thread may have
+    # held one, so they are made anew, and the counts recomputed.
+    grad_mode._off_lock._at_fork_reinit()  # type: ignore[attr-defined]
+    anomaly._on_lock._at_fork_reinit()  # type: ignore[attr-defined]
     grad_mode.off = int(not grad_mode.mode.enabled)
     anomaly.on = int(anomaly.mode.enabled)
     if blas._entered:  # a parent's backward held the BLAS limit: give it back

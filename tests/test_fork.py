@@ -9,6 +9,8 @@ import faulthandler
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -226,3 +228,42 @@ def test_the_child_counts_only_its_own_thread_in_the_mode_counts() -> None:
     finally:
         release.set()
         thread.join(10)
+
+
+SWITCHING_HANDLERS = """
+import os, sys
+
+def switch_modes():  # what another library's fork handler might do
+    import pargrad
+    with pargrad.no_grad(), pargrad.detect_anomaly():
+        pass
+
+# Registered before pargrad's handlers: its before handler runs after pargrad's, its
+# after_in_child handler before pargrad's.
+os.register_at_fork(before=switch_modes, after_in_parent=switch_modes,
+                    after_in_child=switch_modes)
+
+import numpy as np
+import pargrad
+from pargrad import anomaly, grad_mode
+
+x = pargrad.tensor([1.0, 2.0], requires_grad=True)
+(x * x).sum().backward()
+pid = os.fork()
+if pid == 0:
+    x.grad = None
+    (x * 3).sum().backward()
+    ok = np.array_equal(x.grad.data, [3.0, 3.0]) and (grad_mode.off, anomaly.on) == (0, 0)
+    os._exit(0 if ok else 2)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_fork_handler_registered_before_pargrads_may_switch_modes() -> None:
+    # The mode counts' locks are not taken before the fork, so a before handler that
+    # runs after pargrad's (and so while pargrad holds its global locks) may enter
+    # no_grad and detect_anomaly without deadlocking. A hang fails by the timeout.
+    done = subprocess.run([sys.executable, "-c", SWITCHING_HANDLERS],
+                          capture_output=True, text=True, timeout=CHILD_DEADLINE * 3)
+    assert done.returncode == 0, done.stderr[-3000:]
