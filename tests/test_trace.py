@@ -7,6 +7,7 @@ import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -118,6 +119,33 @@ def test_untraced_engine_records_nothing() -> None:
         loss.backward(engine=engine)
         assert engine.trace is None
         assert engine.statistics().nodes == 19
+
+
+def test_an_inline_backward_counts_the_nodes_it_ran_even_when_one_fails() -> None:
+    # Nothing to hand off: the calling thread runs each backward inline. The failing
+    # node counts as run (it was called), as do the nodes before it, and a backward
+    # nested in a node counts its own nodes once.
+    class Nested(pargrad.Function):
+        @staticmethod
+        def forward(ctx: Any, a: np.ndarray) -> np.ndarray:
+            return a * 1.0
+
+        @staticmethod
+        def backward(ctx: Any, g: np.ndarray) -> np.ndarray:
+            y = pargrad.tensor(np.ones(2), requires_grad=True)
+            with pargrad.enable_grad():
+                (y * 3).sum().backward(engine=engine)  # Sum, Mul
+            return g
+
+    with pargrad.ThreadedEngine(workers=1) as engine:
+        x = pargrad.tensor(np.ones(3), requires_grad=True)
+        with pytest.raises(pargrad.BackwardError):
+            (Boom.apply(x * 2) * 3).sum().backward(engine=engine)  # Sum, Mul, Boom
+        assert engine.statistics().nodes == 3 and engine.statistics().handed_off == 0
+        Nested.apply(x).sum().backward(engine=engine)  # Sum, Nested (+ 2 nested)
+        stats = engine.statistics()
+        assert stats.nodes == 3 + 4 and stats.inline == stats.nodes
+        assert stats.graph_tasks_completed == 3 and stats.errors == 1
 
 
 def test_statistics_add_up(engine: pargrad.ThreadedEngine) -> None:
