@@ -69,6 +69,11 @@ class Device:
 # Guards _devices: interning must hand every thread the same object for one name.
 _devices_lock = threading.Lock()
 _devices: dict[tuple[str, int], Device] = {}
+cpu_only = True
+"""Whether no device but ``cpu`` has been made yet: then every node is on ``cpu`` (the
+engines' checks of every node's device may be skipped). Set False, once and for good,
+under ``_devices_lock`` before the new Device is handed out, so a thread that holds a
+tensor on another device (and so was handed it after it was made) reads False."""
 _named: dict[str, Device] = {}
 """Every name ``device()`` has parsed, with its Device: ``x.to("cpu")`` in a loop reads
 this, without the lock (a dict's get and set are each atomic; two threads parsing one
@@ -105,6 +110,8 @@ def device(spec: str | Device) -> Device:
         found = _devices.get((kind, index))
         if found is None:
             found = _devices[(kind, index)] = Device(kind, index)
+            global cpu_only
+            cpu_only = cpu_only and not _devices.keys() - {("cpu", 0)}
     _named[spec] = found
     return found
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pickle
+import subprocess
+import sys
 import threading
 from typing import Any
 
@@ -148,3 +150,46 @@ def test_a_backward_on_another_device_only() -> None:
     np.testing.assert_allclose(x.grad.data, 2 * (1 - np.tanh(1.0) ** 2))
     assert x.grad.device is x.device
     engine.shutdown()
+
+
+FIRST_OTHER_DEVICE = """
+import queue, threading
+import numpy as np
+import pargrad
+from pargrad import devices
+
+class Where(pargrad.Function):
+    threads = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.data.copy()
+
+    @staticmethod
+    def backward(ctx, g):
+        Where.threads.append(threading.current_thread().name)
+        return g
+
+engine = pargrad.ThreadedEngine(1)
+x = pargrad.tensor(np.ones(3), requires_grad=True)
+assert devices.cpu_only
+Where.apply(x * 2).sum().backward(engine=engine)  # nothing to hand off: inline
+assert Where.threads == [threading.current_thread().name], Where.threads
+assert engine.statistics().handed_off == 0
+handed = queue.Queue()  # another thread makes the first device but cpu, and a node on it
+threading.Thread(target=lambda: handed.put(Where.apply(x.to("cpu:5") * 2).sum())).start()
+loss = handed.get(timeout=30)
+assert not devices.cpu_only
+loss.to("cpu").backward(engine=engine)
+assert Where.threads[-1].startswith("pargrad-cpu:5-"), Where.threads
+np.testing.assert_array_equal(x.grad.data, np.full(3, 4.0))
+"""
+
+
+def test_a_first_device_but_cpu_sends_its_nodes_to_its_workers() -> None:
+    # While no device but cpu exists the threaded engine skips its check of every
+    # node's device; the first other device, made on another thread, ends that. Run in
+    # a fresh interpreter: this one has made other devices already.
+    done = subprocess.run([sys.executable, "-c", FIRST_OTHER_DEVICE], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
