@@ -207,6 +207,10 @@ def rows(rev: list[dict[str, Any]], current: list[dict[str, Any]]) -> list[dict[
     return out
 
 
+SLACK_BYTES = 1024
+"""How far above REV's peak a tree's reference may go and still count as no higher."""
+
+
 def memory_targets(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per workload, the reference's peak memory during the backward (what the forward's
     graph holds, plus the backward's peak above it) on this tree over REV's (target <= 1:
@@ -216,7 +220,9 @@ def memory_targets(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
     every run, while a ThreadedEngine's depends on how many branches happen to be in
     flight (between two trees with the same pargrad, a quick run measured threaded(1)'s
     on wide-elementwise at 1.33); the table shows every contender's, and this tree's
-    targets bound the threaded ones by the reference's."""
+    targets bound the threaded ones by the reference's. The limit allows ``SLACK_BYTES``
+    above REV's: a few Python objects more or less (an int above 256 in a counter is 32
+    bytes) are not the arrays this target is about."""
     from benchmarks.report import _target
     from benchmarks.suite import SEQUENTIAL
     out: list[dict[str, Any]] = []
@@ -224,8 +230,9 @@ def memory_targets(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
         peak = row["peak_bytes"]
         if row["contender"] == SEQUENTIAL and peak["rev"]:
             _target(out, f"{row['workload']}: {SEQUENTIAL} peak memory, this tree / REV",
-                    peak["current"] / peak["rev"], 1.0, False,
-                    "peak memory during the backward, the forward's graph included")
+                    peak["current"] / peak["rev"], round(1 + SLACK_BYTES / peak["rev"], 6),
+                    False, "peak memory during the backward, the forward's graph included "
+                    f"(the limit: REV's plus {SLACK_BYTES} bytes)")
     return out
 
 

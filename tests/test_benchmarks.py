@@ -288,8 +288,10 @@ def test_compare_runs_this_tree_against_a_revision(tmp_path: Path) -> None:
     assert "tiny-chain per op" in stdout
     memory = [t for t in figures["targets"]
               if t["target"] == "tiny-chain: sequential peak memory, this tree / REV"]
+    rev_peak = sequential["peak_bytes"]["rev"]
     assert len(memory) == 1 and memory[0]["value"] == pytest.approx(
-        sequential["peak_bytes"]["current"] / sequential["peak_bytes"]["rev"])
+        sequential["peak_bytes"]["current"] / rev_peak)
+    assert memory[0]["limit"] == pytest.approx(1 + 1024 / rev_peak, abs=1e-6)
 
 
 def test_compare_with_an_unknown_revision_says_so() -> None:
