@@ -104,7 +104,7 @@ def ratios(workload: dict[str, Any], cores: int, default: str) -> dict[str, floa
 EXPECTED: list[tuple[str, str, str]] = [
     (r"random-dag:\d+",
      r".* / fastest torch, (?:backward per node|forward\+backward per op)",
-     "the Python around each node on 2x2 arrays (a custom Function's wrapping and "
+     "the Python around each node on arrays of at most 3x3 (a custom Function's wrapping and "
      "checks, numpy's override protocol for the user's np.cos(t) on Tensors: ~0.7 µs a "
      "call) against PyTorch's C++; around the line on the 300- and 1000-step DAGs"),
     ("wide-matmul|wide-elementwise|fan-in", r"largest threaded peak memory / sequential .*",

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 FLOATS = [np.float64, np.float32]
+T = TypeVar("T")
 
 # Small shapes keep finite differences cheap; size-0 and size-1 axes are included.
 shapes = hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4)
@@ -30,13 +31,17 @@ def values(draw: st.DrawFn, shape: tuple[int, ...], dtype: type = np.float64,
            margin: float = 0.2) -> np.ndarray:
     """An array of ``shape`` with values in [low, high], optionally kept ``margin`` away
     from one point (for ops that are not differentiable there)."""
-    seed = draw(st.integers(0, 2**32 - 1))
-    rng = np.random.default_rng(seed)
-    a = rng.uniform(low, high, size=shape)
+    a = _uniform(draw(st.integers(0, 2**32 - 1)), shape, np.float64, low, high)
     if away_from is not None:
         close = np.abs(a - away_from) < margin
         a = np.where(close, away_from + np.where(a >= away_from, margin, -margin) * 2, a)
     return a.astype(dtype)
+
+
+def _uniform(seed: int, shape: tuple[int, ...], dtype: type, low: float,
+             high: float) -> np.ndarray:
+    """Uniform values in [low, high] from numpy's generator seeded with ``seed``."""
+    return np.random.default_rng(seed).uniform(low, high, size=shape).astype(dtype)
 
 
 def distinct(draw: st.DrawFn, shape: tuple[int, ...], low: float = -2.0,
@@ -152,35 +157,91 @@ class GraphRecipe:
         return float(sum(np.sum(g * r.data) for g, r in zip(self.root_grads, roots)))
 
 
+class Choices(Protocol):
+    """Where a recipe's random choices come from (``make_recipe``)."""
+
+    def integer(self, low: int, high: int) -> int:
+        """An integer in [low, high]."""
+        ...
+
+    def sample(self, options: Sequence[T]) -> T:
+        """One of ``options``."""
+        ...
+
+    def boolean(self) -> bool:
+        ...
+
+
+class _Drawn:
+    """Choices drawn by hypothesis (``graph_recipes``): each one a draw, so they shrink."""
+
+    def __init__(self, draw: st.DrawFn) -> None:
+        self._draw = draw
+
+    def integer(self, low: int, high: int) -> int:
+        return self._draw(st.integers(low, high))
+
+    def sample(self, options: Sequence[T]) -> T:
+        return self._draw(st.sampled_from(options))
+
+    def boolean(self) -> bool:
+        return self._draw(st.booleans())
+
+
+class SeededChoices:
+    """Choices from numpy's generator seeded with ``seed``: the same recipe for a seed
+    whatever the hypothesis version and whatever modules are loaded (hypothesis mixes
+    literal constants of the loaded modules into its draws, derandomized or not). The
+    benchmarks' random DAGs use it."""
+
+    def __init__(self, seed: int) -> None:
+        self._rng = np.random.default_rng(seed)
+
+    def integer(self, low: int, high: int) -> int:
+        return int(self._rng.integers(low, high, endpoint=True))
+
+    def sample(self, options: Sequence[T]) -> T:
+        return options[int(self._rng.integers(len(options)))]
+
+    def boolean(self) -> bool:
+        return bool(self._rng.integers(2))
+
+
 @st.composite
 def graph_recipes(draw: st.DrawFn, max_steps: int = 12,
                   dtypes: Sequence[type] = (np.float64,)) -> GraphRecipe:
+    """A random DAG (``make_recipe``), drawn by hypothesis."""
+    return make_recipe(_Drawn(draw), max_steps, dtypes)
+
+
+def make_recipe(choose: Choices, max_steps: int = 12,
+                dtypes: Sequence[type] = (np.float64,)) -> GraphRecipe:
     """A random DAG: fan-out, fan-in, diamonds, multi-output nodes with unused outputs,
     leaves that need no grad, broadcasting, shared leaves and several roots."""
-    n = draw(st.integers(1, 3))
+    n = choose.integer(1, 3)
     leaf_shapes = [(n, n), (n,), (1, n), (n, 1), ()]
-    n_leaves = draw(st.integers(1, 4))
+    n_leaves = choose.integer(1, 4)
     leaves, flags = [], []
     for k in range(n_leaves):
-        shape = draw(st.sampled_from(leaf_shapes))
-        dtype = draw(st.sampled_from(list(dtypes)))
-        leaves.append(values(draw, shape, dtype=dtype, low=-1.5, high=1.5))
-        flags.append(k == 0 or draw(st.booleans()))
+        shape = choose.sample(leaf_shapes)
+        dtype = choose.sample(list(dtypes))
+        leaves.append(_uniform(choose.integer(0, 2**32 - 1), shape, dtype, -1.5, 1.5))
+        flags.append(k == 0 or choose.boolean())
     shapes = [a.shape for a in leaves]
     needs = list(flags)
     steps = []
-    for _ in range(draw(st.integers(1, max_steps))):
-        kind = draw(st.sampled_from(UNARY_STEPS + BINARY_STEPS + MULTI_STEPS))
+    for _ in range(choose.integer(1, max_steps)):
+        kind = choose.sample(UNARY_STEPS + BINARY_STEPS + MULTI_STEPS)
         # Counted from the newest value, so that shrinking leans to deep graphs.
-        i = len(shapes) - 1 - draw(st.integers(0, len(shapes) - 1))
+        i = len(shapes) - 1 - choose.integer(0, len(shapes) - 1)
         if kind in UNARY_STEPS or kind in MULTI_STEPS:
-            step: tuple[Any, ...] = (kind, i, 0.5 + draw(st.integers(0, 3)) / 2)
+            step: tuple[Any, ...] = (kind, i, 0.5 + choose.integer(0, 3) / 2)
             shape = shapes[i]
             need = needs[i]
         else:
-            j = draw(st.integers(0, len(shapes) - 1))
+            j = choose.integer(0, len(shapes) - 1)
             if kind == "split_col_mul":
-                step = (kind, i, j, draw(st.integers(0, n - 1)))
+                step = (kind, i, j, choose.integer(0, n - 1))
                 shape = np.broadcast_shapes((n, 1), shapes[j])
             elif kind in ("matmul",):
                 step, shape = (kind, i, j), (n, n)
@@ -193,6 +254,7 @@ def graph_recipes(draw: st.DrawFn, max_steps: int = 12,
         shapes.append(shape)
         needs.append(need)
     candidates = [k for k in range(n_leaves, len(shapes)) if needs[k]] or [0]
-    roots = draw(st.lists(st.sampled_from(candidates), min_size=1, max_size=3))
-    root_grads = tuple(values(draw, shapes[r], dtype=np.float64) for r in roots)
+    roots = [choose.sample(candidates) for _ in range(choose.integer(1, 3))]
+    root_grads = tuple(_uniform(choose.integer(0, 2**32 - 1), shapes[r], np.float64, -2.0, 2.0)
+                       for r in roots)
     return GraphRecipe(n, tuple(leaves), tuple(flags), tuple(steps), tuple(roots), root_grads)

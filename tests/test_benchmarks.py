@@ -364,3 +364,23 @@ def test_opcodes_counts_the_hot_path_per_op_and_per_node() -> None:
     # The count does not depend on timing: the same call counts the same twice.
     again = opcodes.measure(ops=20)
     assert again["forward tanh(x)"][0] == cases["forward tanh(x)"][0]
+
+
+MADE_ELSEWHERE = """
+import sys
+from tests.strategies import SeededChoices, make_recipe
+recipe = make_recipe(SeededChoices(7), max_steps=40)
+print(repr((recipe.n, recipe.steps, recipe.roots, [a.tolist() for a in recipe.leaves])))
+"""
+
+
+def test_the_benchmarks_random_dags_are_the_same_in_every_process() -> None:
+    # A seed gives one recipe, whatever else the process loaded (hypothesis, whose draws
+    # mix in the loaded modules' constants, is not involved).
+    from tests.strategies import SeededChoices, make_recipe
+    here = make_recipe(SeededChoices(7), max_steps=40)
+    there = subprocess.run([sys.executable, "-c", MADE_ELSEWHERE], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60, check=True).stdout
+    assert there.strip() == repr((here.n, here.steps, here.roots,
+                                  [a.tolist() for a in here.leaves]))
+    assert len(here.steps) >= 1 and here.roots
