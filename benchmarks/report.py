@@ -110,10 +110,6 @@ EXPECTED: list[tuple[str, str, str]] = [
     ("wide-matmul|wide-elementwise|fan-in", r"largest threaded peak memory / sequential .*",
      "branches running at once each hold their working gradients (plain threads pay the "
      "same)"),
-    ("wide-matmul", r"threaded\(\d+, limit_blas\) speed-up",
-     "limit_blas (off by default) gives each thread's matmuls 1 BLAS thread of 2 cores: "
-     "plain threads doing the same, ceiling(2, BLAS 1), lose as much to BLAS on both "
-     "cores"),
     ("deep-elementwise", r"threaded\(\d+\) speed-up",
      "its rules only stream memory: two plain threads splitting g * a reach ~1.17x on "
      "this machine's memory bus"),
