@@ -221,8 +221,9 @@ def memory_targets(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
     flight (between two trees with the same pargrad, a quick run measured threaded(1)'s
     on wide-elementwise at 1.33); the table shows every contender's, and this tree's
     targets bound the threaded ones by the reference's. The limit allows ``SLACK_BYTES``
-    above REV's: a few Python objects more or less (an int above 256 in a counter is 32
-    bytes) are not the arrays this target is about."""
+    above REV's (rounded up to the ratio's sixth decimal, so at least that much): a few
+    Python objects more or less (an int above 256 in a counter is 32 bytes) are not the
+    arrays this target is about."""
     from benchmarks.report import _target
     from benchmarks.suite import SEQUENTIAL
     out: list[dict[str, Any]] = []
@@ -230,7 +231,8 @@ def memory_targets(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
         peak = row["peak_bytes"]
         if row["contender"] == SEQUENTIAL and peak["rev"]:
             _target(out, f"{row['workload']}: {SEQUENTIAL} peak memory, this tree / REV",
-                    peak["current"] / peak["rev"], round(1 + SLACK_BYTES / peak["rev"], 6),
+                    peak["current"] / peak["rev"],
+                    math.ceil((1 + SLACK_BYTES / peak["rev"]) * 1e6) / 1e6,
                     False, "peak memory during the backward, the forward's graph included "
                     f"(the limit: REV's plus {SLACK_BYTES} bytes)")
     return out

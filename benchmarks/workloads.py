@@ -399,11 +399,11 @@ class RandomDag(Workload):
     ``make_recipe``, which its ``graph_recipes`` strategy draws with hypothesis; here
     the one with the most steps of 20 made from fixed seeds, with up to ``steps``
     steps): fan-out, fan-in, multi-output custom Functions, broadcasting; arrays of at
-    most 3x3. Its roots
-    are every value that no later step uses (the recipe's own roots reach only a few
-    steps), each with a random root gradient, in one backward call. Not portable: the
-    recipe builds pargrad graphs (with a pargrad Function); PyTorch runs its translation
-    op for op (``benchmarks/torch_recipes.py``), HIPS autograd does not run it."""
+    most 3x3. Its roots are every value that no later step uses (the recipe's own roots
+    reach only a few steps), each with a random root gradient, in one backward call. Not
+    portable: the recipe builds pargrad graphs (with a pargrad Function); PyTorch runs
+    its translation op for op (``benchmarks/torch_recipes.py``), HIPS autograd does not
+    run it."""
 
     portable, tiny_nodes = False, True
 

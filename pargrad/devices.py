@@ -47,6 +47,9 @@ class Device:
     def __init__(self, type: str, index: int) -> None:
         object.__setattr__(self, "type", type)
         object.__setattr__(self, "index", index)
+        if _devices:  # every Device but the interned cpu, made directly or by device()
+            global cpu_only
+            cpu_only = False
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("Device objects are immutable")
@@ -70,10 +73,11 @@ class Device:
 _devices_lock = threading.Lock()
 _devices: dict[tuple[str, int], Device] = {}
 cpu_only = True
-"""Whether no device but ``cpu`` has been made yet: then every node is on ``cpu`` (the
-engines' checks of every node's device may be skipped). Set False, once and for good,
-under ``_devices_lock`` before the new Device is handed out, so a thread that holds a
-tensor on another device (and so was handed it after it was made) reads False."""
+"""Whether no Device but the interned ``cpu`` has been made yet: then every node is on
+``cpu`` (the engines' checks of every node's device may be skipped). Set False, once and
+for good, by ``Device.__init__`` of any other Device (through ``device()`` or made
+directly), before the new Device is handed out, so a thread that holds a tensor on
+another device (and so was handed it after it was made) reads False."""
 _named: dict[str, Device] = {}
 """Every name ``device()`` has parsed, with its Device: ``x.to("cpu")`` in a loop reads
 this, without the lock (a dict's get and set are each atomic; two threads parsing one
@@ -110,8 +114,6 @@ def device(spec: str | Device) -> Device:
         found = _devices.get((kind, index))
         if found is None:
             found = _devices[(kind, index)] = Device(kind, index)
-            global cpu_only
-            cpu_only = cpu_only and not _devices.keys() - {("cpu", 0)}
     _named[spec] = found
     return found
 

@@ -21,6 +21,9 @@ Guarantees:
   are made anew. Those two locks are not in ``GLOBAL_LOCKS``: an at-fork ``before``
   handler registered before pargrad's runs after it, and may switch grad or anomaly
   mode (``no_grad``, ``detect_anomaly``); had pargrad taken them, it would deadlock.
+  Such a handler's ``after_in_child`` runs before pargrad's: if another parent thread
+  held one of the two locks at the fork (a few instructions while it switches its mode),
+  switching a mode there still deadlocks; pargrad's own handler is the first safe point.
 - In the child, the futures of the parent's asynchronous backward calls that had not
   resolved are resolved with a RuntimeError that says why (their done-callbacks run in
   the child, then); ``result()`` raises it at once instead of waiting forever.
@@ -63,7 +66,8 @@ GLOBAL_LOCKS: tuple[threading.Lock, ...] = (
     trace._profiles_lock,
     trace._task_lock,
 )
-"""Every process-wide lock of pargrad, in the order the fork handler takes them."""
+"""Every process-wide lock of pargrad but the mode counts' two (made anew in the child
+instead), in the order the fork handler takes them."""
 
 
 def _before() -> None:

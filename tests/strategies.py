@@ -171,6 +171,10 @@ class Choices(Protocol):
     def boolean(self) -> bool:
         ...
 
+    def samples(self, options: Sequence[T], low: int, high: int) -> list[T]:
+        """Between ``low`` and ``high`` of ``options``, repeats allowed."""
+        ...
+
 
 class _Drawn:
     """Choices drawn by hypothesis (``graph_recipes``): each one a draw, so they shrink."""
@@ -187,12 +191,16 @@ class _Drawn:
     def boolean(self) -> bool:
         return self._draw(st.booleans())
 
+    def samples(self, options: Sequence[T], low: int, high: int) -> list[T]:
+        return self._draw(st.lists(st.sampled_from(options), min_size=low, max_size=high))
+
 
 class SeededChoices:
     """Choices from numpy's generator seeded with ``seed``: the same recipe for a seed
     whatever the hypothesis version and whatever modules are loaded (hypothesis mixes
-    literal constants of the loaded modules into its draws, derandomized or not). The
-    benchmarks' random DAGs use it."""
+    literal constants of the loaded modules into its draws, derandomized or not), with
+    one numpy version (numpy keeps a seed's stream stable in practice, but does not
+    promise it). The benchmarks' random DAGs use it."""
 
     def __init__(self, seed: int) -> None:
         self._rng = np.random.default_rng(seed)
@@ -205,6 +213,9 @@ class SeededChoices:
 
     def boolean(self) -> bool:
         return bool(self._rng.integers(2))
+
+    def samples(self, options: Sequence[T], low: int, high: int) -> list[T]:
+        return [self.sample(options) for _ in range(self.integer(low, high))]
 
 
 @st.composite
@@ -254,7 +265,7 @@ def make_recipe(choose: Choices, max_steps: int = 12,
         shapes.append(shape)
         needs.append(need)
     candidates = [k for k in range(n_leaves, len(shapes)) if needs[k]] or [0]
-    roots = [choose.sample(candidates) for _ in range(choose.integer(1, 3))]
+    roots = choose.samples(candidates, 1, 3)
     root_grads = tuple(_uniform(choose.integer(0, 2**32 - 1), shapes[r], np.float64, -2.0, 2.0)
                        for r in roots)
     return GraphRecipe(n, tuple(leaves), tuple(flags), tuple(steps), tuple(roots), root_grads)

@@ -177,7 +177,7 @@ Where.apply(x * 2).sum().backward(engine=engine)  # nothing to hand off: inline
 assert Where.threads == [threading.current_thread().name], Where.threads
 assert engine.statistics().handed_off == 0
 handed = queue.Queue()  # another thread makes the first device but cpu, and a node on it
-threading.Thread(target=lambda: handed.put(Where.apply(x.to("cpu:5") * 2).sum())).start()
+threading.Thread(target=lambda: handed.put(Where.apply(x.to(OTHER) * 2).sum())).start()
 loss = handed.get(timeout=30)
 assert not devices.cpu_only
 loss.to("cpu").backward(engine=engine)
@@ -186,10 +186,13 @@ np.testing.assert_array_equal(x.grad.data, np.full(3, 4.0))
 """
 
 
-def test_a_first_device_but_cpu_sends_its_nodes_to_its_workers() -> None:
+@pytest.mark.parametrize("other", ['"cpu:5"', 'pargrad.Device("cpu", 5)'])
+def test_a_first_device_but_cpu_sends_its_nodes_to_its_workers(other: str) -> None:
     # While no device but cpu exists the threaded engine skips its check of every
-    # node's device; the first other device, made on another thread, ends that. Run in
-    # a fresh interpreter: this one has made other devices already.
-    done = subprocess.run([sys.executable, "-c", FIRST_OTHER_DEVICE], capture_output=True,
-                          text=True, timeout=60)
+    # node's device; the first other device, made on another thread, by name or as a
+    # Device made directly (not interned), ends that. Run in a fresh interpreter: this
+    # one has made other devices already.
+    script = FIRST_OTHER_DEVICE.replace("OTHER", other)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)
     assert done.returncode == 0, done.stderr[-3000:]

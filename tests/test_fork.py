@@ -238,8 +238,9 @@ def switch_modes():  # what another library's fork handler might do
     with pargrad.no_grad(), pargrad.detect_anomaly():
         pass
 
-# Registered before pargrad's handlers: its before handler runs after pargrad's, its
-# after_in_child handler before pargrad's.
+# Registered before pargrad's handlers: its before handler runs after pargrad's (while
+# pargrad holds its global locks), its after_in_child handler before pargrad's (safe here,
+# where no other thread holds a mode count's lock at the fork; fork.py's docstring).
 os.register_at_fork(before=switch_modes, after_in_parent=switch_modes,
                     after_in_child=switch_modes)
 
