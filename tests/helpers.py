@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 import pargrad
 from pargrad import Tensor
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_python(code: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run ``python -c code`` from the repository root in a fresh interpreter (with
+    ``env`` added to the environment), its output captured; a hang fails by ``timeout``."""
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **env})
 
 
 def blocking_function(wait: float) -> Any:

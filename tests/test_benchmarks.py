@@ -23,6 +23,7 @@ from hypothesis import given, settings
 
 from benchmarks import report, suite
 from benchmarks.workloads import make_workloads
+from tests.helpers import run_python
 from tests.strategies import graph_recipes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -380,8 +381,8 @@ def test_the_benchmarks_random_dags_are_the_same_in_every_process() -> None:
     # mix in the loaded modules' constants, is not involved).
     from tests.strategies import SeededChoices, make_recipe
     here = make_recipe(SeededChoices(7), max_steps=40)
-    there = subprocess.run([sys.executable, "-c", MADE_ELSEWHERE], cwd=ROOT,
-                           capture_output=True, text=True, timeout=60, check=True).stdout
-    assert there.strip() == repr((here.n, here.steps, here.roots,
+    there = run_python(MADE_ELSEWHERE)
+    assert there.returncode == 0, there.stderr[-3000:]
+    assert there.stdout.strip() == repr((here.n, here.steps, here.roots,
                                   [a.tolist() for a in here.leaves]))
     assert len(here.steps) >= 1 and here.roots

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import pickle
-import subprocess
-import sys
 import threading
 from typing import Any
 
@@ -12,6 +10,7 @@ import numpy as np
 import pytest
 
 import pargrad
+from tests.helpers import run_python
 
 
 def test_device_names() -> None:
@@ -193,6 +192,5 @@ def test_a_first_device_but_cpu_sends_its_nodes_to_its_workers(other: str) -> No
     # Device made directly (not interned), ends that. Run in a fresh interpreter: this
     # one has made other devices already.
     script = FIRST_OTHER_DEVICE.replace("OTHER", other)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=60)
+    done = run_python(script)
     assert done.returncode == 0, done.stderr[-3000:]

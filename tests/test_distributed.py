@@ -26,6 +26,7 @@ import pytest
 
 import pargrad
 from pargrad.distributed import DataParallel, DistributedError, mpiexec_path, shard
+from tests.helpers import run_python
 from tests.mpi_jobs import failing, model
 from tests.mpi_jobs.gradients import SCENARIOS
 
@@ -326,8 +327,7 @@ def test_a_bucket_holds_one_dtype() -> None:
 def test_the_core_never_imports_mpi4py() -> None:
     code = ("import sys, pargrad, pargrad.distributed, examples.async_training; "
             "assert 'mpi4py' not in sys.modules, 'mpi4py imported'")
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                            text=True, timeout=60)
+    result = run_python(code)
     assert result.returncode == 0, result.stderr
 
 

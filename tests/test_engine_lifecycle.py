@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import gc
 import os
-import subprocess
-import sys
 import threading
 import weakref
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 import pargrad
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import run_python
 
 
 def backward_once(engine: pargrad.Engine) -> pargrad.Tensor:
@@ -133,11 +129,6 @@ def test_default_worker_count_fits_the_machine() -> None:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     assert engine.workers() == max(1, (cores or 1) - 1)
     assert "ThreadedEngine(workers=" in repr(engine)
-
-
-def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60, env={**os.environ, **env})
 
 
 def test_default_engine_and_the_environment_variable() -> None:

@@ -9,8 +9,6 @@ import faulthandler
 import multiprocessing
 import os
 import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -21,7 +19,7 @@ import pytest
 
 import pargrad
 from pargrad import Tensor
-from tests.helpers import blocking_function
+from tests.helpers import blocking_function, run_python
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 
@@ -265,6 +263,5 @@ def test_a_fork_handler_registered_before_pargrads_may_switch_modes() -> None:
     # The mode counts' locks are not taken before the fork, so a before handler that
     # runs after pargrad's (and so while pargrad holds its global locks) may enter
     # no_grad and detect_anomaly without deadlocking. A hang fails by the timeout.
-    done = subprocess.run([sys.executable, "-c", SWITCHING_HANDLERS],
-                          capture_output=True, text=True, timeout=CHILD_DEADLINE * 3)
+    done = run_python(SWITCHING_HANDLERS, timeout=CHILD_DEADLINE * 3)
     assert done.returncode == 0, done.stderr[-3000:]

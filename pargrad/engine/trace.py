@@ -17,8 +17,8 @@ own (registered once under a lock) and readers merge them. ``Trace.events()`` an
 ``statistics()`` are exact for every backward call that has returned; while one runs
 they may miss its latest nodes (all of them for a call run inline on the calling thread,
 which adds its count when it ends; a Ctrl-C landing in that one addition loses it). A
-ThreadedEngine that traces nothing pays one check per
-``_process`` call (a batch of nodes), not per node.
+ThreadedEngine that traces nothing pays one check per ``_process`` call (a batch of
+nodes), not per node.
 
 Assumptions: threads are told apart by name in ``Statistics`` (give threads that call
 backward distinct names to see them apart) and by identity in a trace.
