@@ -24,7 +24,7 @@ from pargrad.engine.selection import current_engine
 from pargrad.futures import BackwardFuture
 from pargrad.grad_mode import enable_grad
 from pargrad.graph import AccumulateGrad, BackwardError, Edge, Grad
-from pargrad.interrupts import deferred_interrupts
+from pargrad.interrupts import NODE, deferred_interrupts, gate_installed
 from pargrad.ops import copy
 from pargrad.tensor import Tensor, grad_lock
 from pargrad.versions import counter_of
@@ -74,12 +74,17 @@ def tensor_backward(tensor: Tensor, gradient: Any, retain_graph: bool | None,
 
 
 def _run(call: _BackwardCall) -> None:
-    try:
-        kept = call.engine.execute(call.request())
-    except BaseException:
-        call.early.undo()
-        raise
-    call.commit(kept)
+    # SIGINT's handler is swapped once for the whole call (interrupts.gate_installed),
+    # not once by the engine and again by the commit: the engine runs in NODE mode (a
+    # Ctrl-C raises at once, as with no gate; ThreadedEngine holds it around its own
+    # bookkeeping), and the undo and the commit hold it (their deferred_interrupts).
+    with gate_installed(NODE):
+        try:
+            kept = call.engine.execute(call.request())
+        except BaseException:
+            call.early.undo()
+            raise
+        call.commit(kept)
 
 
 def backward_async(

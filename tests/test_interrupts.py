@@ -44,6 +44,7 @@ LOOP_CODE = [
     (GRAPH_TASK, "GraphTask.fail"), (GRAPH_TASK, "GraphTask.cancel"),
     (QUEUE, "ReadyQueue.get"), (QUEUE, "ReadyQueue.put"),
     (THREADED, "ThreadedEngine._execute_inline"), (SEQUENTIAL, "run_graph"),
+    ("pargrad.autograd", "_run"),  # the call around execute and the commit, with its gate
 ]
 # The engines the injection runs on: everything inline on the caller, and every node
 # handed to the ReadyQueue (so the caller takes work from it and waits on it).
@@ -223,6 +224,98 @@ def test_sigint_at_every_signal_point_of_the_loop(config: str) -> None:
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 def test_sigint_at_every_signal_point_while_waiting_in_result(config: str) -> None:
     assert inject_everywhere(config, asynchronous=True) > 10
+
+
+# ----- one handler swap per backward; deferral inside an installed Gate -----
+
+@pytest.mark.parametrize("engine", [
+    "sequential", "inline", "handoff", "reentrant-inline", "reentrant-sequential"])
+def test_a_backward_swaps_the_sigint_handler_once(engine: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """``backward`` installs the Gate once for the engine's run and the commit together
+    (two ``signal.signal`` calls, none more from the engine, the commit or a backward
+    nested in a node), and puts the handler back."""
+    from pargrad import interrupts
+
+    made = {"sequential": pargrad.SequentialEngine, "inline": pargrad.ThreadedEngine,
+            "reentrant-inline": pargrad.ThreadedEngine,
+            "reentrant-sequential": pargrad.SequentialEngine,
+            "handoff": lambda: pargrad.ThreadedEngine(workers=2, handoff_threshold=0)}
+    eng = made[engine]()
+    swaps: list[object] = []
+    real = interrupts._setsignal
+
+    def counted(signum: int, handler: Any) -> Any:
+        swaps.append(handler)
+        return real(signum, handler)
+
+    class Nested(pargrad.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Any) -> Any:
+            return x * 1.0
+
+        @staticmethod
+        def backward(ctx: Any, g: Any) -> Any:
+            inner = leaf([1.0])
+            with pargrad.enable_grad():
+                pargrad.backward((inner * 3).sum(), engine=eng)
+            assert inner.grad is not None
+            return g
+
+    x = leaf([1.0, 2.0])
+    y = Nested.apply(x) if engine.startswith("reentrant") else x
+    loss = (y * y).sum()
+    monkeypatch.setattr(interrupts, "_setsignal", counted)
+    pargrad.backward(loss, engine=eng)
+    monkeypatch.undo()
+    if isinstance(eng, pargrad.ThreadedEngine):
+        eng.shutdown()
+    np.testing.assert_array_equal(x.grad.data, [2.0, 4.0])
+    assert len(swaps) == 2 and swaps[1] is signal.default_int_handler, swaps
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_deferred_interrupts_inside_a_gate_hold_it_and_raise_as_its_mode_says() -> None:
+    """Inside an installed Gate, ``deferred_interrupts`` swaps no handler: a SIGINT in
+    it is raised at its end when the Gate's mode was NODE, and kept for the Gate (raised
+    as the outermost block is left) when it was HELD."""
+    from pargrad.interrupts import HELD, NODE, deferred_interrupts, gate_installed
+
+    reached = []
+    with pytest.raises(KeyboardInterrupt), gate_installed(NODE) as gate:
+        with deferred_interrupts():
+            assert signal.getsignal(signal.SIGINT) == gate.handle  # not swapped
+            signal.raise_signal(signal.SIGINT)
+            reached.append("the end of the deferred block")
+        reached.append("after the deferred block")  # not reached: raised at its end
+    assert reached == ["the end of the deferred block"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+    reached.clear()
+    with pytest.raises(KeyboardInterrupt), gate_installed(HELD) as gate:
+        with deferred_interrupts():
+            signal.raise_signal(signal.SIGINT)
+        assert gate.pending is not None and gate.mode == HELD
+        reached.append("the end of the held block")
+    assert reached == ["the end of the held block"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_gate_in_node_mode_raises_at_once_and_a_nested_held_one_at_its_end() -> None:
+    from pargrad.interrupts import NODE, gate_installed
+
+    reached = []
+    with pytest.raises(KeyboardInterrupt), gate_installed(NODE):
+        signal.raise_signal(signal.SIGINT)
+        reached.append("after the signal")  # not reached: NODE raises at once
+    assert reached == []
+    with pytest.raises(KeyboardInterrupt), gate_installed(NODE):
+        with gate_installed():  # nested: held, then raised as it is left
+            signal.raise_signal(signal.SIGINT)
+            reached.append("the end of the nested block")
+        reached.append("after the nested block")
+    assert reached == ["the end of the nested block"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 # ----- Ctrl-C in result() cancels the backward, whichever line it lands on -----

@@ -221,7 +221,13 @@ COMMIT_CODE = [("pargrad.autograd", "_BackwardCall.commit"),
                ("pargrad.autograd", "_added_to_grad"),
                ("pargrad.autograd", "_adds_in_place"), ("pargrad.autograd", "_add_in_place"),
                ("pargrad.autograd", "_add_to_grad"),  # b359260's name for it
-               ("pargrad.autograd", "_receivers")]
+               ("pargrad.autograd", "_receivers"),
+               # the call around the engine and the commit, and its one SIGINT gate
+               ("pargrad.autograd", "_run"),
+               ("pargrad.interrupts", "gate_installed.__enter__"),
+               ("pargrad.interrupts", "gate_installed._restore"),
+               ("pargrad.interrupts", "deferred_interrupts.__enter__"),
+               ("pargrad.interrupts", "deferred_interrupts.__exit__")]
 
 
 def test_commit_is_all_or_nothing_under_sigint_at_every_signal_point() -> None:
