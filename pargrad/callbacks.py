@@ -46,6 +46,10 @@ class Callbacks:
     def run(self) -> None:
         """Run the queued callbacks in order, including those they queue; raise the first
         exception (the rest do not run)."""
+        # Read without the lock: run() is called once the backward's nodes are over, and
+        # only they (or callbacks, on this thread) queue; most backward calls queue none.
+        if not self._queued:
+            return
         with running(self):  # a callback may queue more
             while True:
                 with self._lock:
