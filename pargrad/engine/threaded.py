@@ -471,6 +471,7 @@ class ThreadedEngine(Engine):
         # left counted or pushed; at once inside it, where all state is this call's own
         # and nothing is committed (interrupts.Gate).
         with gate_installed() as gate:
+            tally = self._counters.mine()
             pool.task_started(nested=parent is not None)  # raises after shutdown
             failed = True
             try:
@@ -482,7 +483,7 @@ class ThreadedEngine(Engine):
                         gate.mode = NODE
                         run_graph(request.roots, request.grads, counted[0].counts, counted[1],
                                   kept, retain_graph=request.retain_graph, name_errors=True,
-                                  tally=self._counters.mine())
+                                  tally=tally)
                     except BackwardError as exc:
                         raise _with_hint(exc) from exc.__cause__
                     finally:
@@ -490,7 +491,7 @@ class ThreadedEngine(Engine):
                         state.depth = depth
                 failed = False
             finally:
-                self._counters.task_ended(failed=failed)
+                self._counters.task_ended(failed, tally)
                 pool.task_done()
         run.callbacks.run()
         return kept.grads

@@ -277,25 +277,26 @@ class Statistics:
 class ThreadCounts:
     """One thread's counts for one engine; only that thread writes them."""
 
-    __slots__ = ("chunks_helped", "handed_off", "helping_seconds", "nodes", "thread")
+    __slots__ = ("chunks_helped", "errors", "handed_off", "helping_seconds", "nodes", "tasks",
+                 "thread")
 
     def __init__(self, thread: str) -> None:
         self.thread = thread
         self.nodes = 0
         self.handed_off = 0
+        self.tasks = 0  # backward calls that ended on this thread (returned or raised)
+        self.errors = 0  # those that raised
         self.chunks_helped = 0  # intra-op chunks run for another thread's call
         self.helping_seconds = 0.0  # the time spent running them
 
 
 class Counters:
-    """An engine's counts: per thread (merged on read), and per backward call."""
+    """An engine's counts, per thread (merged on read): nodes and backward calls."""
 
     def __init__(self) -> None:
-        # Guards _threads, _tasks and _errors.
+        # Guards _threads (each ThreadCounts in it is written only by its thread).
         self._lock = threading.Lock()
         self._threads: list[ThreadCounts] = []
-        self._tasks = 0
-        self._errors = 0
         self._local = threading.local()  # ``counts``: this thread's ThreadCounts
 
     def mine(self) -> ThreadCounts:
@@ -307,24 +308,29 @@ class Counters:
                 self._threads.append(counts)
         return counts
 
-    def task_ended(self, failed: bool) -> None:
-        with self._lock:
-            self._tasks += 1
-            self._errors += failed
+    def task_ended(self, failed: bool, counts: ThreadCounts | None = None) -> None:
+        """Count a backward call that ended on this thread (``counts``: its
+        ``mine()``, if the caller has it at hand)."""
+        if counts is None:
+            counts = self.mine()
+        counts.tasks += 1
+        counts.errors += failed
 
     def statistics(self, queue_waits: int) -> Statistics:
         per_thread: dict[str, int] = {}
         helped: dict[str, int] = {}
+        tasks = errors = 0
         with self._lock:
             handed = 0
             helping = 0.0
             for counts in self._threads:
+                tasks += counts.tasks
+                errors += counts.errors
                 per_thread[counts.thread] = per_thread.get(counts.thread, 0) + counts.nodes
                 handed += counts.handed_off
                 if counts.chunks_helped:
                     helped[counts.thread] = helped.get(counts.thread, 0) + counts.chunks_helped
                 helping += counts.helping_seconds
-            tasks, errors = self._tasks, self._errors
         nodes = sum(per_thread.values())
         return Statistics(MappingProxyType(per_thread), nodes - handed, handed, queue_waits,
                           tasks, errors, MappingProxyType(helped), helping)
