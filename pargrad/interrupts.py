@@ -35,7 +35,7 @@ from typing import Any
 
 try:  # CPython's own C functions, which signal.signal and getsignal wrap with enum
     # conversions that cost ~4 µs a call (an exception inside for a Python handler): a
-    # backward calls them up to six times.
+    # backward calls them three times (its one Gate: getsignal, then signal twice).
     from _signal import getsignal as _getsignal
     from _signal import signal as _setsignal
 except ImportError:  # pragma: no cover (an interpreter without them)
