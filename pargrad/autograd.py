@@ -24,7 +24,7 @@ from pargrad.engine.selection import current_engine
 from pargrad.futures import BackwardFuture
 from pargrad.grad_mode import enable_grad
 from pargrad.graph import AccumulateGrad, BackwardError, Edge, Grad
-from pargrad.interrupts import NODE, deferred_interrupts, gate_installed
+from pargrad.interrupts import HELD, NODE, deferred_interrupts, gate_installed
 from pargrad.ops import copy
 from pargrad.tensor import Tensor, grad_lock
 from pargrad.versions import counter_of
@@ -78,13 +78,16 @@ def _run(call: _BackwardCall) -> None:
     # not once by the engine and again by the commit: the engine runs in NODE mode (a
     # Ctrl-C raises at once, as with no gate; ThreadedEngine holds it around its own
     # bookkeeping), and the undo and the commit hold it (their deferred_interrupts).
-    with gate_installed(NODE):
+    with gate_installed(NODE) as gate:
         try:
             kept = call.engine.execute(call.request())
         except BaseException:
+            gate.mode = HELD  # no signal point before this line; undo and leave held
             call.early.undo()
             raise
         call.commit(kept)
+        gate.mode = HELD  # leave held: a Ctrl-C raised on __exit__'s first bytecode
+        # would skip putting the previous handler back
 
 
 def backward_async(

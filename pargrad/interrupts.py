@@ -166,7 +166,11 @@ class gate_installed:  # lower case: a context manager, used like a function
     outermost puts the previous handler back, and then raises a signal still pending
     unless an exception is already propagating (which a Ctrl-C would only have
     replaced). ``with`` gives the Gate. A class rather than a generator, as
-    ``deferred_interrupts``."""
+    ``deferred_interrupts``.
+
+    A block in ``NODE`` mode must set ``HELD`` again as its last statement (and first
+    thing in an ``except`` that leaves it): a Ctrl-C can land on the first bytecode of
+    ``__exit__``, where in ``NODE`` mode it would raise before the handler is put back."""
 
     __slots__ = ("_block_mode", "_gate", "_mode", "_previous")
 
@@ -201,8 +205,10 @@ class gate_installed:  # lower case: a context manager, used like a function
         previous = self._previous
         try:
             if previous is not None:  # the outermost block on the main thread
-                _setsignal(_SIGINT, previous)
-                pending, gate.pending, gate.previous = gate.pending, None, None
+                try:  # a Ctrl-C once it is back raises on return: the gate is reset anyway
+                    _setsignal(_SIGINT, previous)  # runs the gate for one that came first
+                finally:  # (no signal point in here)
+                    pending, gate.pending, gate.previous = gate.pending, None, None
                 if pending is not None and not raised:
                     previous(*pending)
         finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -79,3 +80,14 @@ def sleeping_function(seconds: float) -> Any:
             return g
 
     return Sleep
+
+
+def assert_left_as_found(handler: object, where: object) -> None:
+    """After a backward a SIGINT interrupted: SIGINT's handler is the one before it, no
+    Gate is left installed, grad mode is on."""
+    from pargrad.grad_mode import is_grad_enabled
+    from pargrad.interrupts import current_gate
+
+    assert signal.getsignal(signal.SIGINT) is handler, where
+    assert current_gate().previous is None and current_gate().pending is None, where
+    assert is_grad_enabled(), where

@@ -23,7 +23,7 @@ import pytest
 
 import pargrad
 from pargrad import Tensor
-from tests.helpers import sleeping_function
+from tests.helpers import assert_left_as_found, sleeping_function
 from tests.interrupting import SigintAt, code_objects
 
 THREADED = "pargrad.engine.threaded"
@@ -169,6 +169,7 @@ def one_run(engine: pargrad.ThreadedEngine, codes: set[Any], n: int,
         sys.settrace(None)
     committed = [t.grad is not None for t in leaves]
     assert all(committed) or not any(committed), (tracer.where, committed)
+    assert_left_as_found(signal.default_int_handler, tracer.where)
     if all(committed):
         for t, w in zip(leaves, want):
             np.testing.assert_allclose(t.grad.data, w)

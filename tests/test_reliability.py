@@ -4,6 +4,7 @@ the engine's loop: tests/test_interrupts.py; fork: tests/test_fork.py.)"""
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from typing import Any, cast
@@ -13,7 +14,7 @@ import pytest
 
 import pargrad
 from pargrad import Tensor
-from tests.helpers import Boom, blocking_function
+from tests.helpers import Boom, assert_left_as_found, blocking_function
 from tests.interrupting import SigintAt, code_objects
 
 WAIT = 30  # seconds: a generous bound on anything these tests wait for
@@ -240,6 +241,7 @@ def test_commit_is_all_or_nothing_under_sigint_at_every_signal_point() -> None:
         t.grad = pargrad.tensor(np.zeros(3))
     engine = pargrad.SequentialEngine()  # the commit is the engine's caller's
     outcomes = {"all": 0, "none": 0}
+    handler = signal.getsignal(signal.SIGINT)
     n = 0
     while True:
         n += 1
@@ -256,6 +258,7 @@ def test_commit_is_all_or_nothing_under_sigint_at_every_signal_point() -> None:
             sys.settrace(None)
         changed = [not np.array_equal(t.grad.data, b) for t, b in zip(leaves, before)]
         assert all(changed) or not any(changed), f"partial commit at {tracer.where}: {changed}"
+        assert_left_as_found(handler, tracer.where)
         if not tracer.fired:
             break  # past the last bytecode of the commit
         assert interrupted, f"the SIGINT at {tracer.where} was lost"
