@@ -77,17 +77,16 @@ def _run(call: _BackwardCall) -> None:
     # SIGINT's handler is swapped once for the whole call (interrupts.gate_installed),
     # not once by the engine and again by the commit: the engine runs in NODE mode (a
     # Ctrl-C raises at once, as with no gate; ThreadedEngine holds it around its own
-    # bookkeeping), and the undo and the commit hold it (their deferred_interrupts).
+    # bookkeeping, without a swap), the commit and the undo in HELD mode.
     with gate_installed(NODE) as gate:
         try:
             kept = call.engine.execute(call.request())
-        except BaseException:
-            gate.mode = HELD  # no signal point before this line; undo and leave held
-            call.early.undo()
+            gate.mode = HELD  # the commit held whole (a Ctrl-C in it raises after it), and
+            call.commit(kept)  # the block left held: a Ctrl-C raised on __exit__'s first
+        except BaseException:  # bytecode would skip putting the previous handler back
+            gate.mode = HELD  # (no signal point before this line)
+            call.early.undo()  # the commit failed too: no .grad changed, early ones undone
             raise
-        call.commit(kept)
-        gate.mode = HELD  # leave held: a Ctrl-C raised on __exit__'s first bytecode
-        # would skip putting the previous handler back
 
 
 def backward_async(

@@ -63,7 +63,9 @@ class deferred_interrupts:  # lower case: a context manager, used like a functio
     def __enter__(self) -> None:
         self._previous: Callable[[int, FrameType | None], Any] | None = None
         gate: Gate | None = getattr(_threads, "gate", None)
-        if gate is not None and gate.previous is not None:  # this thread's Gate is installed
+        if gate is not None and gate.previous is not None and (
+                _getsignal(_SIGINT) == gate.handle):  # this thread's Gate is installed (and
+            # not replaced since by a node's own handler)
             self._gate: Gate | None = gate
             self._mode, gate.mode = gate.mode, HELD
             return
@@ -205,8 +207,9 @@ class gate_installed:  # lower case: a context manager, used like a function
         previous = self._previous
         try:
             if previous is not None:  # the outermost block on the main thread
+                gate.mode = HELD  # signal.signal runs the handler for one that came first
                 try:  # a Ctrl-C once it is back raises on return: the gate is reset anyway
-                    _setsignal(_SIGINT, previous)  # runs the gate for one that came first
+                    _setsignal(_SIGINT, previous)
                 finally:  # (no signal point in here)
                     pending, gate.pending, gate.previous = gate.pending, None, None
                 if pending is not None and not raised:

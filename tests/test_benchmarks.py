@@ -413,3 +413,5 @@ def test_limit_blas_is_expected_to_fail_only_where_plain_threads_at_one_blas_thr
     assert real["holds"] is False and real["expected_failure"] is None
     held = limit_blas_target(workload(45.0, 44.0, 73.0))
     assert held["holds"] is True
+    far_behind = limit_blas_target(workload(45.0, 90.0, 73.0))  # 0.5 against 0.616: news
+    assert far_behind["holds"] is False and far_behind["expected_failure"] is None

@@ -165,8 +165,12 @@ def one_run(engine: pargrad.ThreadedEngine, codes: set[Any], n: int,
             pargrad.backward(loss, engine=engine)
     except KeyboardInterrupt:
         assert tracer.fired
+        interrupted = True
+    else:
+        interrupted = False
     finally:
         sys.settrace(None)
+    assert interrupted or not tracer.fired, f"the SIGINT at {tracer.where} was lost"
     committed = [t.grad is not None for t in leaves]
     assert all(committed) or not any(committed), (tracer.where, committed)
     assert_left_as_found(signal.default_int_handler, tracer.where)
@@ -317,6 +321,103 @@ def test_a_gate_in_node_mode_raises_at_once_and_a_nested_held_one_at_its_end() -
         reached.append("after the nested block")
     assert reached == ["the end of the nested block"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_failing_commit_leaves_the_handler_and_early_grads_as_found(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The commit raises (a MemoryError making a new .grad) and a Ctrl-C comes as the
+    handler is put back (``signal.signal`` runs the current handler for a pending signal
+    before it swaps: emulated): the handler, the Gate and the early-committed leaf's
+    ``.grad`` are as they were, and the next Ctrl-C and backward behave."""
+    from pargrad import autograd, interrupts
+
+    real = interrupts._setsignal
+
+    def with_a_signal_just_before(signum: int, handler: Any) -> Any:
+        if not isinstance(getattr(handler, "__self__", None), interrupts.Gate):  # restoring
+            interrupts._getsignal(signum)(signum, None)  # what CPython runs first
+        return real(signum, handler)
+
+    def failing_commit(self: Any, kept: Any) -> None:
+        raise MemoryError("a new .grad")
+
+    hooked, plain = leaf([1.0, 2.0]), leaf([3.0])
+    hooked.register_post_accumulate_grad_hook(lambda t: None)  # committed early
+    monkeypatch.setattr(interrupts, "_setsignal", with_a_signal_just_before)
+    monkeypatch.setattr(autograd._BackwardCall, "commit", failing_commit)
+    for engine in (pargrad.SequentialEngine(), pargrad.ThreadedEngine(workers=1)):
+        with pytest.raises(MemoryError):
+            pargrad.backward((hooked * hooked).sum() + plain.sum(), engine=engine)
+        assert hooked.grad is None and plain.grad is None
+        assert_left_as_found(signal.default_int_handler, type(engine).__name__)
+    monkeypatch.undo()
+    with pytest.raises(KeyboardInterrupt):
+        signal.raise_signal(signal.SIGINT)
+    pargrad.backward((hooked * hooked).sum())
+    np.testing.assert_array_equal(hooked.grad.data, [2.0, 4.0])
+
+
+@pytest.mark.parametrize("engine", ["sequential", "threaded"])
+def test_a_second_ctrl_c_as_backward_leaves_restores_the_handler(
+        engine: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first Ctrl-C raised out of the commit (emulated) and a second at each signal
+    point of the gate's way out: the handler is put back every time."""
+    from pargrad import autograd
+
+    real = autograd._BackwardCall.commit
+
+    def commit_then_ctrl_c(self: Any, kept: Any) -> None:
+        real(self, kept)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(autograd._BackwardCall, "commit", commit_then_ctrl_c)
+    codes = code_objects([("pargrad.interrupts", "gate_installed.__exit__"),
+                          ("pargrad.interrupts", "gate_installed._restore")])
+    eng = pargrad.SequentialEngine() if engine == "sequential" else pargrad.ThreadedEngine()
+    x = leaf([1.0, 2.0])
+    n, fired = 0, 0
+    while True:
+        n += 1
+        tracer = SigintAt(codes, n)
+        sys.settrace(tracer)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                pargrad.backward((x * x).sum(), engine=eng)
+        finally:
+            sys.settrace(None)
+        assert_left_as_found(signal.default_int_handler, tracer.where)
+        if not tracer.fired:
+            break
+        fired += 1
+    assert fired >= 3
+
+
+def test_ctrl_c_anywhere_in_the_commit_leaves_no_early_grad() -> None:
+    """A leaf with a post-accumulate-grad hook gets its .grad during the backward; a
+    Ctrl-C at any signal point of the commit (or of backward around it) undoes it unless
+    the rest is committed too."""
+    codes = code_objects([("pargrad.autograd", "_BackwardCall.commit"),
+                          ("pargrad.autograd", "_run")])
+    hooked, plain = leaf(np.ones(3)), leaf(np.ones(3))
+    hooked.register_post_accumulate_grad_hook(lambda t: None)
+    for engine in (pargrad.SequentialEngine(), pargrad.ThreadedEngine(workers=1)):
+        n = 0
+        while True:
+            n += 1
+            hooked.grad = plain.grad = None
+            loss = (hooked * 2).sum() + (plain * 3).sum()
+            tracer = SigintAt(codes, n)
+            sys.settrace(tracer)
+            try:
+                pargrad.backward(loss, engine=engine)
+            except KeyboardInterrupt:
+                assert tracer.fired
+            finally:
+                sys.settrace(None)
+            assert (hooked.grad is None) == (plain.grad is None), (tracer.where, n)
+            if not tracer.fired:
+                break
+        assert n > 10
 
 
 # ----- Ctrl-C in result() cancels the backward, whichever line it lands on -----

@@ -388,8 +388,9 @@ class ThreadedEngine(Engine):
             task, ready = self._begin(request, parent=parent, nested=parent is not None,
                                       on_done=on_done, counted=counted)
             self._drive_call(task, ready, parent, home, queue)
+            # counted held: a Ctrl-C kept in the block may raise as it is left
+            self._counters.task_ended(failed=task.error is not None)
         error = task.error
-        self._counters.task_ended(failed=error is not None)
         if error is not None:
             raise _with_hint(error)
         task.callbacks.run()
