@@ -1,7 +1,10 @@
 """Timing and memory of trials, and the facts of the machine they ran on.
 
 Times are ``time.perf_counter`` around each part of a trial (forward, then backward), a
-garbage collection before each forward; the contenders of a workload take turns within
+garbage collection before each forward; around the backward also the process's minor
+page faults (``getrusage``, every thread: memory the allocator had given back to the
+system and touches again, which moves large-array figures; "Page faults" in
+docs/performance.md); the contenders of a workload take turns within
 each repeat, so that a noisy stretch of time hits them all alike, and the first
 ``warmup`` repeats are dropped. Memory is a separate, untimed pass (tracemalloc slows
 Python down): the peak of traced memory during the backward above what was traced when
@@ -18,43 +21,83 @@ import sys
 import time
 import tracemalloc
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
+
+try:
+    import resource
+except ImportError:  # Windows: no getrusage, no fault counts
+    resource = None  # type: ignore[assignment]
 
 import numpy as np
 
 from benchmarks.workloads import Trial
 
 
-def time_trial(trial: Trial) -> tuple[float, float, np.ndarray]:
-    """One run: (forward seconds, backward seconds, the checked gradient)."""
+class Run(NamedTuple):
+    """One run of a trial."""
+
+    forward_s: float
+    backward_s: float
+    backward_faults: int | None
+    """Minor page faults of the whole process during the backward; None where the
+    platform does not count them."""
+    grad: np.ndarray
+    """The gradient the trial checks."""
+
+
+def minor_faults() -> int | None:
+    """The process's minor page faults so far (every thread), or None without
+    ``getrusage``."""
+    return None if resource is None else resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def time_trial(trial: Trial) -> Run:
+    """Time one forward and backward of ``trial``."""
     if trial.prepare is not None:
         trial.prepare()
     gc.collect()
     start = time.perf_counter()
     state = trial.forward()
+    faults = minor_faults()
     middle = time.perf_counter()
     grad = trial.backward(state)
     end = time.perf_counter()
-    return middle - start, end - middle, grad
+    after = minor_faults()
+    return Run(middle - start, end - middle,
+               None if faults is None or after is None else after - faults, grad)
 
 
 def measure(trials: dict[str, Trial], repeats: int, warmup: int,
-            tick: Callable[[], object] = lambda: None) -> dict[str, dict[str, list[float]]]:
-    """Forward and backward seconds of each trial per kept repeat, trials in turn
-    within each repeat, each repeat starting one trial further along (so that no trial
-    always follows the same one); ``tick`` is called after each run (a progress bar)."""
-    samples: dict[str, dict[str, list[float]]] = {
-        name: {"forward": [], "backward": []} for name in trials}
+            tick: Callable[[], object] = lambda: None) -> dict[str, dict[str, list[Any]]]:
+    """Forward and backward seconds, and the backward's minor page faults, of each trial
+    per kept repeat (keys ``forward``, ``backward``, ``faults``), trials in turn within
+    each repeat, each repeat starting one trial further along (so that no trial always
+    follows the same one); ``tick`` is called after each run (a progress bar)."""
+    samples: dict[str, dict[str, list[Any]]] = {
+        name: {"forward": [], "backward": [], "faults": []} for name in trials}
     names = list(trials)
     for repeat in range(warmup + repeats):
         shift = repeat % len(names)
         for name in names[shift:] + names[:shift]:
-            forward, backward, _ = time_trial(trials[name])
+            run = time_trial(trials[name])
             if repeat >= warmup:
-                samples[name]["forward"].append(forward)
-                samples[name]["backward"].append(backward)
+                samples[name]["forward"].append(run.forward_s)
+                samples[name]["backward"].append(run.backward_s)
+                samples[name]["faults"].append(run.backward_faults)
             tick()
     return samples
+
+
+def backward_summary(times: dict[str, list[Any]]) -> dict[str, Any]:
+    """``summary`` of the backward seconds of one contender's ``measure`` samples, with
+    ``minor_faults``, the median of its backward's page faults, and ``faults_samples``,
+    each run's in the order of ``samples_s`` (None and [] if not counted)."""
+    faults = times["faults"]
+    counted = bool(faults) and None not in faults
+    order = sorted(range(len(faults)), key=times["backward"].__getitem__)
+    return {**summary(times["backward"]),
+            "minor_faults": statistics.median(faults) if counted else None,
+            "faults_samples": [faults[i] for i in order] if counted else []}
 
 
 def peak_backward_bytes(trial: Trial, repeats: int) -> tuple[int, int]:
@@ -108,7 +151,11 @@ def machine_facts() -> dict[str, Any]:
                    "num_threads")} for pool in threadpool_info()],
         "pargrad_default_workers": default_workers(),
     }
+    libc = platform.libc_ver()
+    facts["libc"] = " ".join(libc) if libc[0] else None
     for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
-                 "OPENBLAS_THREAD_TIMEOUT", "PARGRAD_ENGINE"):
+                 "OPENBLAS_THREAD_TIMEOUT", "PARGRAD_ENGINE", "MALLOC_TOP_PAD_",
+                 "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_ARENA_MAX",
+                 "LD_PRELOAD"):
         facts[name] = os.environ.get(name)
     return facts

@@ -265,7 +265,7 @@ def _ms(seconds: float) -> str:
 def print_workload(w: dict[str, Any]) -> None:
     print(f"\n{w['name']}: {w['description']} ({w['nodes']} nodes, {w['repeats']} repeats)")
     print(f"  {'contender':<30}{'forward ms':>11}{'backward ms':>12}{'±IQR/2':>8}"
-          f"{'seq/this':>9}{'peak MB':>9}")
+          f"{'seq/this':>9}{'peak MB':>9}{'faults':>9}")
     reference = median(w, SEQUENTIAL)
     for name, c in w["contenders"].items():
         back = c["backward"]
@@ -277,12 +277,18 @@ def print_workload(w: dict[str, Any]) -> None:
         peak = c["peak_backward_bytes"]
         memory = f"{peak / 2**20:9.2f}" if peak is not None else ""
         print(f"  {name:<30}{forward:>11}{backward:>12}{f'±{spread:.0%}':>8}{ratio:>9}"
-              f"{memory:>9}")
+              f"{memory:>9}{_faults(back):>9}")
     if any(c["fused"] for c in w["contenders"].values()):
         print("  * forward and backward together (the library records the forward inside"
               " grad)")
     for peer, reason in w["skipped_peers"].items():
         print(f"  skipped {peer}: {reason}")
+
+
+def _faults(backward: dict[str, Any]) -> str:
+    """The median minor page faults of a backward summary, or "" if not counted."""
+    faults = backward.get("minor_faults")
+    return "" if faults is None else f"{faults:.0f}"
 
 
 def print_overlap(o: dict[str, Any]) -> None:
@@ -326,6 +332,10 @@ How to read the figures (every ratio is of two medians measured in this run):
   ±IQR/2              half the interquartile range of the backward times, over the
                       median: how much the repeats spread (the noise)
   peak MB             the most memory the backward held beyond what it started with
+  faults              minor page faults of the whole process during the backward
+                      (median): memory the allocator gave back to the system and
+                      touches again; thousands of them cost milliseconds, and they
+                      follow the process's history (docs/performance.md, "Page faults")
   targets             each ratio against its limit: "holds" or "FAILS"; a FAILS marked
                       **expected** cannot hold on a machine like this one (the reason is
                       given; docs/performance.md has the measurements)"""
@@ -358,8 +368,14 @@ def print_widths(widths: dict[str, Any]) -> None:
 
 
 def print_sweep(rows: dict[str, Any]) -> None:
-    _print_speedups("wide-elementwise sweep (branches x depth x elements)", "shape", rows,
-                    16, 16)
+    title = "wide-elementwise sweep (branches x depth x elements)"
+    _print_speedups(title, "shape", rows, 16, 16)
+    columns = list(next(iter(rows.values())))
+    if any(_faults(row[c]) for row in rows.values() for c in columns):
+        print(f"\n{title}: minor page faults per backward (median)")
+        print(f"  {'shape':<16}" + "".join(f"{c:>16}" for c in columns))
+        for key, row in rows.items():
+            print(f"  {key:<16}" + "".join(f"{_faults(row[c]):>16}" for c in columns))
 
 
 def _print_speedups(title: str, label: str, rows: dict[str, Any], first: int,

@@ -27,7 +27,7 @@ import numpy as np
 
 import pargrad
 from benchmarks import peers
-from benchmarks.measure import measure, peak_backward_bytes, summary, time_trial
+from benchmarks.measure import backward_summary, measure, peak_backward_bytes, summary, time_trial
 from benchmarks.workloads import (
     ELEMENTWISE_SWEEP,
     Branchy,
@@ -155,7 +155,7 @@ def check(trials: dict[str, Trial], tick: Callable[[], object]) -> float:
     started = time.perf_counter()
     expected: np.ndarray | None = None
     for name, trial in trials.items():
-        _, _, grad = time_trial(trial)
+        grad = time_trial(trial).grad
         tick()
         if expected is None:
             expected = grad
@@ -219,7 +219,7 @@ def run_workload(workload: Workload, made: Contenders, s: Settings) -> dict[str,
         totals = [f + b for f, b in zip(times["forward"], times["backward"])]
         figures[name] = {"kind": kinds[name], "fused": trials[name].fused,
                          "forward": summary(times["forward"]),
-                         "backward": summary(times["backward"]), "total": summary(totals),
+                         "backward": backward_summary(times), "total": summary(totals),
                          "peak_backward_bytes": memory[name][0] if name in memory else None,
                          "peak_bytes": memory[name][1] if name in memory else None}
     return {"name": workload.name, "description": workload.description,
@@ -250,7 +250,7 @@ def run_widths(name: str, made: Contenders, s: Settings,
             chosen = {key: trials[key] for key in wanted}
             check(chosen, bar.update)
             samples = measure(chosen, s.width_repeats, 0, bar.update)
-            rows[str(width)] = {key: summary(times["backward"])
+            rows[str(width)] = {key: backward_summary(times)
                                 for key, times in samples.items()}
     finally:
         bar.close()
@@ -273,7 +273,7 @@ def run_sweep(made: Contenders, s: Settings) -> dict[str, Any]:
             chosen = {key: trials[key] for key in wanted}
             check(chosen, bar.update)
             samples = measure(chosen, s.width_repeats, 0, bar.update)
-            rows[f"{branches}x{depth}x{size}"] = {key: summary(times["backward"])
+            rows[f"{branches}x{depth}x{size}"] = {key: backward_summary(times)
                                                   for key, times in samples.items()}
     finally:
         bar.close()

@@ -27,6 +27,7 @@ from tests.helpers import run_python
 from tests.strategies import graph_recipes
 
 ROOT = Path(__file__).resolve().parent.parent
+HAS_GETRUSAGE = importlib.util.find_spec("resource") is not None
 
 
 OPTIONAL = ("tqdm", "matplotlib", "torch", "autograd")
@@ -63,6 +64,8 @@ def test_smoke_run_of_the_whole_suite(tmp_path: Path, block: tuple[str, ...]) ->
                 f"{default[:-1]}, deterministic)"} <= set(contenders)
         for name, c in contenders.items():
             assert c["backward"]["median_s"] > 0, name
+            faults = c["backward"]["minor_faults"]  # counted where getrusage exists
+            assert faults >= 0 if HAS_GETRUSAGE else faults is None, name
             if c["kind"] != "peer":
                 assert c["peak_backward_bytes"] > 0, name
         assert w["nodes"] > 0 and w["description"]
@@ -92,6 +95,10 @@ def test_smoke_run_of_the_whole_suite(tmp_path: Path, block: tuple[str, ...]) ->
     assert "limit_blas" not in slowest  # reported apart, so it hides no other configuration
     assert list(figures["sweep"]) == ["2x2x1000", "3x1x2000"]
     assert "wide-elementwise sweep (branches x depth x elements)" in stdout
+    assert all("minor_faults" in c for row in figures["sweep"].values() for c in row.values())
+    assert ("minor page faults per backward" in stdout) == HAS_GETRUSAGE
+    assert "faults" in stdout[stdout.index("contender "):].splitlines()[0]
+    assert "MALLOC_TOP_PAD_" in figures["machine"] and "libc" in figures["machine"]
     assert figures["machine"]["cores"] >= 1 and figures["machine"]["blas"] is not None
     overlap = figures["overlap"]  # the async training step against the sync one
     assert overlap["sync / async"] > 0 and overlap["async_step"]["median_s"] > 0
@@ -197,6 +204,24 @@ def test_targets_that_cannot_hold_here_are_marked_expected(
         "wide-matmul", "deep-elementwise"]
     assert "A FAILS not marked expected can hold here" in lines[-1]
     assert "holds" in next(line for line in lines if "random-dag:1000" in line)
+
+
+def test_a_trial_counts_the_page_faults_of_its_backward_only() -> None:
+    """The faults column counts what the backward touched fresh: a backward that writes
+    a new 64 MiB mapping faults at least once per 2 MiB (numpy asks for huge pages on
+    large arrays; without them, once per 4 KiB page), one that only reads an array made
+    before it does not, and the forward's faults are not its."""
+    from benchmarks.measure import time_trial
+    from benchmarks.workloads import Trial
+    pytest.importorskip("resource")
+    size = 8 * 2**20  # float64 elements: 64 MiB, far above glibc's largest mmap threshold
+    huge_pages = size * 8 // 2**21
+    fresh = time_trial(Trial(forward=lambda: None, backward=lambda _: np.ones(size)))
+    kept = np.ones(size)
+    read = time_trial(Trial(forward=lambda: np.ones(size), backward=lambda _: kept[:1].copy()))
+    assert fresh.backward_faults is not None and read.backward_faults is not None
+    assert fresh.backward_faults >= huge_pages
+    assert read.backward_faults < huge_pages
 
 
 def test_load_warnings() -> None:
