@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 from benchmarks.peers import TORCH
@@ -370,12 +371,10 @@ def print_widths(widths: dict[str, Any]) -> None:
 def print_sweep(rows: dict[str, Any]) -> None:
     title = "wide-elementwise sweep (branches x depth x elements)"
     _print_speedups(title, "shape", rows, 16, 16)
-    columns = list(next(iter(rows.values())))
-    if any(_faults(row[c]) for row in rows.values() for c in columns):
+    if any(_faults(c) for row in rows.values() for c in row.values()):
         print(f"\n{title}: minor page faults per backward (median)")
-        print(f"  {'shape':<16}" + "".join(f"{c:>16}" for c in columns))
-        for key, row in rows.items():
-            print(f"  {key:<16}" + "".join(f"{_faults(row[c]):>16}" for c in columns))
+        _print_rows("shape", rows, list(next(iter(rows.values()))), 16, 16,
+                    lambda row, c: _faults(row[c]))
 
 
 def _print_speedups(title: str, label: str, rows: dict[str, Any], first: int,
@@ -383,12 +382,18 @@ def _print_speedups(title: str, label: str, rows: dict[str, Any], first: int,
     """A table of each contender's backward speed-up over the reference, a row per key
     of ``rows`` (``label`` heads the column of keys)."""
     print(f"\n{title}: backward speed-up over sequential")
-    columns = [c for c in next(iter(rows.values())) if c != SEQUENTIAL]
+    _print_rows(label, rows, [c for c in next(iter(rows.values())) if c != SEQUENTIAL],
+                first, width,
+                lambda row, c: f"{row[SEQUENTIAL]['median_s'] / row[c]['median_s']:.3f}")
+
+
+def _print_rows(label: str, rows: dict[str, Any], columns: list[str], first: int,
+                width: int, cell: Callable[[dict[str, Any], str], str]) -> None:
+    """A row per key of ``rows`` (``label`` heads the column of keys), ``cell(row,
+    column)`` in each of ``columns``."""
     print(f"  {label:<{first}}" + "".join(f"{c:>{width}}" for c in columns))
     for key, row in rows.items():
-        reference = row[SEQUENTIAL]["median_s"]
-        print(f"  {key:<{first}}" + "".join(f"{reference / row[c]['median_s']:>{width}.3f}"
-                                           for c in columns))
+        print(f"  {key:<{first}}" + "".join(f"{cell(row, c):>{width}}" for c in columns))
 
 
 def write_json(path: str, figures: dict[str, Any]) -> None:
