@@ -1,19 +1,24 @@
 """Checkpointing: keep a function's inputs instead of its intermediates, and recompute.
 
-``checkpoint(fn, *args)`` runs ``fn`` without recording a graph and keeps only ``args``.
-Its backward node recomputes ``fn`` with grad mode on, on detached copies of the inputs,
-and runs a backward through that fresh graph from inside its own backward (a reentrant
-backward: both engines support it, at any nesting). Memory for ``fn``'s intermediates is
-then needed only while its backward runs, one checkpointed segment at a time.
+``checkpoint(fn, *args)`` runs ``fn`` once to learn which tensors outside ``args`` it
+differentiates through (tensors it closes over, such as a layer's weights), keeps
+``args`` and those tensors, and drops the graph ``fn`` recorded. Its backward node has
+an edge to each of them; it recomputes ``fn`` with grad mode on, on detached copies of
+``args``, and runs a backward through that fresh graph from inside its own backward (a
+reentrant backward: every engine supports it, at any nesting), handing each gradient to
+its edge. Memory for ``fn``'s intermediates is then needed only while one checkpointed
+segment runs, forward or backward.
 
-pargrad has no random ops, so the recomputation gives exactly the values of the forward
-and nothing like PyTorch's ``preserve_rng_state`` is needed; a ``fn`` that draws random
-numbers itself (``np.random``) must not be checkpointed.
+``fn`` must compute the same graph both times: a tensor it differentiates through in
+backward that it did not reach in forward (``fn`` changed its mind, or a non-leaf it
+closes over was changed in place since) raises rather than lose a gradient, and a leaf
+it closes over that was changed in place since raises as any saved tensor does.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,120 +31,181 @@ from pargrad.tensor import Tensor
 
 
 def checkpoint(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)``, keeping only ``args`` for backward and recomputing ``fn`` there.
+    """``fn(*args)``, keeping only its inputs for backward and recomputing ``fn`` there.
 
-    ``fn`` returns a Tensor or a tuple of Tensors, and must be deterministic. Every
-    Tensor that ``fn`` differentiates through must be one of ``args`` (weights
-    included): a backward that finds ``fn`` using another tensor that requires grad
-    raises ``BackwardError`` rather than lose its gradient (PyTorch's reentrant
-    checkpoint adds such gradients to ``.grad`` behind the engine's back). Other
-    arguments (numbers, arrays, flags) are passed through as given. Works with
-    ``create_graph=True``: the gradient is then recorded as another checkpoint, so
-    it can be differentiated again (which recomputes ``fn`` once more). Thread-safe as
-    a backward is: concurrent backward calls through one checkpoint each recompute
-    on their own copies.
+    ``fn`` returns a Tensor or a tuple of Tensors, and must be deterministic. Tensors it
+    differentiates through may be arguments or reached otherwise (closed over, globals,
+    attributes): each gets its gradient as in the plain graph. Other arguments (numbers,
+    arrays, flags) are passed through as given. ``fn`` runs twice, both times with grad
+    mode on: once here (its graph is dropped at once) and once in backward. Works with
+    ``create_graph=True``: the gradient is then recorded as another checkpoint, so it can
+    be differentiated again (which recomputes ``fn`` once more). Thread-safe as a
+    backward is: concurrent backward calls through one checkpoint each recompute on
+    their own copies.
 
     >>> import pargrad
+    >>> w = pargrad.tensor([2.0, -1.0], requires_grad=True)
     >>> x = pargrad.tensor([0.5, 1.0], requires_grad=True)
-    >>> y = pargrad.checkpoint(lambda t: (t.sin() * t).sum(), x)
+    >>> y = pargrad.checkpoint(lambda t: (t.sin() * w).sum(), x)   # w is closed over
     >>> y.grad_fn.name()
     'CheckpointBackward'
     >>> y.backward()
     >>> x.grad
-    tensor([0.91821682, 1.38177329], dtype=float64)
+    tensor([ 1.75516512, -0.54030231], dtype=float64)
+    >>> w.grad
+    tensor([0.47942554, 0.84147098], dtype=float64)
     """
-    return Checkpoint.apply(fn, *args)
+    if not is_grad_enabled():  # nothing is recorded, so there is nothing to drop
+        result = fn(*args)
+        _fn_outputs(result, "checkpoint")
+        return result
+    inputs = [_detached(a) for a in args]
+    start = next_sequence_nr()  # every node fn records gets a larger number
+    result = fn(*inputs)
+    outputs = _fn_outputs(result, "checkpoint")
+    outside = list(_outside(outputs, inputs, start).values())
+    run = _Run(fn, len(args), isinstance(result, tuple), [o.data for o in outputs])
+    del result, outputs  # fn's graph goes here: only its values are kept
+    return Checkpoint.apply(run, *args, *outside)
+
+
+@dataclass
+class _Run:
+    """What ``checkpoint`` found by running ``fn``, for ``Checkpoint.forward``."""
+
+    fn: Callable[..., Any]
+    n_args: int
+    several: bool  # fn returned a tuple
+    values: list[np.ndarray] | None  # its outputs' arrays, taken by forward
 
 
 class Checkpoint(Function):
-    """The Function behind ``checkpoint``: positional arguments ``(fn, *args)``."""
+    """The Function behind ``checkpoint``: positional arguments ``(run, *args, *outside)``,
+    ``outside`` being the tensors ``fn`` reached that are not among ``args``."""
 
     @staticmethod
-    def forward(ctx: FunctionCtx, fn: Callable[..., Any], *args: Any) -> Any:
-        ctx.fn = fn  # type: ignore[attr-defined]
-        ctx.save_for_backward(*args)
-        result = fn(*args)  # grad mode is off here: nothing of fn is recorded
-        _fn_outputs(result, "checkpoint")
-        return result
+    def forward(ctx: FunctionCtx, run: _Run, *tensors: Any) -> Any:
+        ctx.fn, ctx.n_args = run.fn, run.n_args  # type: ignore[attr-defined]
+        ctx.save_for_backward(*tensors)  # a leaf changed in place since raises in backward
+        values, run.values = run.values, None
+        assert values is not None, "a checkpoint's run is applied once"
+        return tuple(values) if run.several else values[0]
 
     @staticmethod
     def backward(ctx: FunctionCtx, *grads: Tensor) -> tuple[Grad | None, ...]:
-        args = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        n_args: int = ctx.n_args  # type: ignore[attr-defined]
+        args, outside = saved[:n_args], list(saved[n_args:])
         fn: Callable[..., Any] = ctx.fn  # type: ignore[attr-defined]
         wrt = [i for i, a in enumerate(args) if _requires_grad(a)]
         if is_grad_enabled():
-            # create_graph: the gradient must depend on args and grads differentiably, so
-            # compute it as a checkpoint of the vector-Jacobian product itself.
-            found = checkpoint(_VectorJacobianProduct(fn, len(args)), *args, *grads)
+            # create_graph: the gradient must depend on args, outside and grads
+            # differentiably, so compute it as a checkpoint of the vector-Jacobian product.
+            found = checkpoint(_VectorJacobianProduct(fn, n_args, outside), *args, *grads)
         else:
-            found = _recompute_vjp(fn, [_detached(a) for a in args], grads, wrt, False)
-        result: list[Grad | None] = [None] * (1 + len(args))  # no gradient for fn
-        for i, g in zip(wrt, found):
+            found = _recompute_vjp(fn, [_detached(a) for a in args], grads, wrt, outside,
+                                   create_graph=False)
+        result: list[Grad | None] = [None] * (1 + len(saved))  # no gradient for the run
+        for i, g in zip([*wrt, *range(n_args, len(saved))], found):
             result[1 + i] = g
         return tuple(result)
 
 
 class _VectorJacobianProduct:
-    """``(*args, *grads) -> d(grads . fn(*args))/d(args that require grad)``, as a
-    function that can be checkpointed (and so differentiated) in turn."""
+    """``(*args, *grads) -> d(grads . fn(*args))/d(args that require grad, then outside)``,
+    as a function that can be checkpointed (and so differentiated) in turn."""
 
-    def __init__(self, fn: Callable[..., Any], n_args: int) -> None:
+    def __init__(self, fn: Callable[..., Any], n_args: int, outside: list[Tensor]) -> None:
         self.fn = fn
         self.n_args = n_args
+        self.outside = outside
 
     def __call__(self, *values: Any) -> tuple[Tensor, ...]:
         args, grads = values[:self.n_args], values[self.n_args:]
         wrt = [i for i, a in enumerate(args) if _requires_grad(a)]
-        if is_grad_enabled():  # recomputed by a backward: args are its detached leaves
-            found = _recompute_vjp(self.fn, list(args), grads, wrt, True)
-        else:  # the forward of a checkpoint: values only
-            found = _recompute_vjp(self.fn, [_detached(a) for a in args], grads, wrt, False)
+        if is_grad_enabled():  # args are leaves made for this call: record through them
+            found = _recompute_vjp(self.fn, list(args), grads, wrt, self.outside,
+                                   create_graph=True)
+        else:  # a checkpoint under no_grad: values only
+            found = _recompute_vjp(self.fn, [_detached(a) for a in args], grads, wrt,
+                                   self.outside, create_graph=False)
         return tuple(
-            g if isinstance(g, Tensor)
-            else Tensor._make(np.zeros(args[i].shape, args[i].dtype) if g is None else g,
-                              device=args[i].device)
-            for i, g in zip(wrt, found)
-        )
+            Tensor._make(np.zeros(t.shape, t.dtype), device=t.device) if g is None else g
+            for t, g in zip([*(args[i] for i in wrt), *self.outside], found))
 
 
 def _recompute_vjp(fn: Callable[..., Any], inputs: list[Any], grads: Sequence[Any],
-                   wrt: list[int], create_graph: bool) -> tuple[Tensor | None, ...]:
+                   wrt: list[int], outside: list[Tensor], *, create_graph: bool
+                   ) -> tuple[Tensor | None, ...]:
     """Run ``fn`` on ``inputs`` (leaves where they require grad) recording a graph, and
-    backpropagate ``grads`` from its outputs to the inputs ``wrt`` (None where none
-    arrives), on the current engine: from inside a node, a reentrant backward."""
-    start = next_sequence_nr()  # every node fn records gets a larger number
+    backpropagate ``grads`` from its outputs to the inputs ``wrt`` and to ``outside`` (None
+    where none arrives), on the current engine: from inside a node, a reentrant backward."""
+    start = next_sequence_nr()
     with enable_grad():
         outputs = _fn_outputs(fn(*inputs), "checkpoint")
-    leaves = [inputs[i] for i in wrt]
-    _check_closed(outputs, leaves, start)
+    known = {_key(t) for t in outside}
+    for key, t in _outside(outputs, inputs, start).items():
+        if key not in known:
+            raise RuntimeError(
+                f"checkpoint: recomputed in backward, fn reached a tensor that requires grad "
+                f"which it did not reach in forward ({_describe(t)}); fn must compute the "
+                f"same graph both times, and a tensor it closes over must not be changed in "
+                f"place between its forward and backward")
+    leaves = [inputs[i] for i in wrt] + outside
     return _vjp(outputs, grads, leaves, create_graph=create_graph, retain_graph=create_graph)
 
 
-def _check_closed(outputs: list[Tensor], leaves: list[Tensor], start: int) -> None:
-    """Raise RuntimeError if the graph of ``fn``'s outputs reaches a tensor that requires
-    grad other than ``leaves``: a leaf fn closed over, or a node recorded before fn ran.
-    Its gradient could not reach it: the checkpoint node has no edge to it."""
-    ours = {id(leaf) for leaf in leaves}
+class _RecordedSince:
+    """The nodes ``fn`` recorded: those numbered from ``start`` on (a leaf's accumulator,
+    numbered above every node, belongs to its leaf, not to fn)."""
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+
+    def __contains__(self, node: object) -> bool:
+        return (isinstance(node, Node) and node.sequence_nr >= self.start
+                and not isinstance(node, AccumulateGrad))
+
+
+def _outside(outputs: list[Tensor], inputs: Sequence[Any], start: int
+             ) -> dict[tuple[int, int], Tensor]:
+    """The tensors that require grad which the graph of ``fn``'s ``outputs`` reaches but
+    ``fn`` did not make from ``inputs``: leaves it closed over, and tensors computed before
+    it ran (a Tensor with the same edge stands in for one that is not an output), keyed by
+    ``_key``, in the order found."""
+    ours = {id(t) for t in inputs if isinstance(t, Tensor)}
+    found: dict[tuple[int, int], Tensor] = {}
+    fns = _RecordedSince(start)
     roots: list[Node] = []
     for o in outputs:
-        if o.grad_fn is not None:
-            roots.append(o.grad_fn)
+        if o.grad_fn in fns:
+            roots.append(o.grad_fn)  # type: ignore[arg-type]
         elif o.requires_grad and id(o) not in ours:
-            _not_closed(f"a leaf of shape {o.shape}")
-    for node in reachable(roots):  # all recorded by fn, unless it is not closed
-        if isinstance(node, AccumulateGrad):
-            if id(node.variable) not in ours:
-                _not_closed(f"a leaf of shape {node.variable.shape}")
-        elif node.sequence_nr < start:
-            _not_closed(f"{node.name()}, computed before fn was called")
+            found.setdefault(_key(o), o)  # fn returned a tensor it did not make
+    for node in reachable(roots, within=fns):
+        for next_node, nr in zip(node.next_nodes, node.input_nrs):
+            if next_node is None or next_node in fns:
+                continue
+            if isinstance(next_node, AccumulateGrad):
+                if id(next_node.variable) not in ours:
+                    found.setdefault(_key(next_node.variable), next_node.variable)
+            elif (id(next_node), nr) not in found:
+                shape, dtype = next_node._output_meta[nr]
+                stand_in = np.broadcast_to(np.zeros((), dtype), shape)  # (no memory)
+                found[(id(next_node), nr)] = Tensor._make(stand_in, next_node, nr)
+    return found
 
 
-def _not_closed(what: str) -> None:
-    raise RuntimeError(
-        f"checkpoint: fn uses a tensor that requires grad but is not an argument of "
-        f"checkpoint ({what}), so its gradient would be lost; pass every tensor fn "
-        f"differentiates through as an argument: checkpoint(fn, x, weight)"
-    )
+def _key(t: Tensor) -> tuple[int, int]:
+    """What identifies a tensor outside ``fn`` across the two runs: a leaf itself, or the
+    edge into the node that computed it."""
+    return (id(t), -1) if t.grad_fn is None else (id(t.grad_fn), t.output_nr)
+
+
+def _describe(t: Tensor) -> str:
+    if t.grad_fn is None:
+        return f"a leaf of shape {t.shape}"
+    return f"output {t.output_nr} of {t.grad_fn.name()}, of shape {t.shape}"
 
 
 def _detached(a: Any) -> Any:

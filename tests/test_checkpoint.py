@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import pargrad
 from pargrad import Tensor, checkpoint
@@ -56,13 +58,16 @@ def test_forward_keeps_only_the_inputs_and_backward_recomputes(engine: pargrad.E
     y = checkpoint(fn, x, w)
     node = y.grad_fn
     assert node is not None and node.name() == "CheckpointBackward"
-    # The node's edges go straight to the inputs: nothing of fn was recorded.
+    # The node's edges go straight to the inputs: the graph fn recorded was dropped.
     assert [type(n).__name__ for n, _ in node.next_functions] == [
         "NoneType", "AccumulateGrad", "AccumulateGrad"]
-    assert calls == [False]
+    assert calls == [True]  # run once, recording, to find what fn differentiates through
     got = grads_of(y.sum(), x, w)
-    assert calls == [False, True]  # recomputed once, recording a graph, in backward
+    assert calls == [True, True]  # recomputed once more, in backward
     assert_same(got, grads_of(fn(x, w).sum(), x, w), bitwise=False)
+    with pargrad.no_grad():  # nothing to record: fn runs once, as itself
+        out = checkpoint(fn, x, w)
+    assert calls[3:] == [False] and out.grad_fn is None
 
 
 def test_several_inputs_outputs_and_plain_arguments(engine: pargrad.Engine) -> None:
@@ -126,18 +131,128 @@ def test_create_graph_differentiates_through_the_recomputation(engine: pargrad.E
     np.testing.assert_allclose(t.grad.data, 24 * t.data, rtol=1e-12)
 
 
-def test_tensors_fn_closes_over_are_refused_in_backward(engine: pargrad.Engine) -> None:
+ACTIVATIONS = {"tanh": Tensor.tanh, "sin": Tensor.sin, "square": lambda t: t * t}
+
+
+@st.composite
+def closed_over_stacks(draw: st.DrawFn) -> tuple[list[np.ndarray], list[str], list[bool],
+                                                 np.ndarray, int]:
+    """Random layers: weights, activations, which weights each checkpointed segment gets
+    as arguments (the others it closes over), an input, and the segment length."""
+    depth = draw(st.integers(1, 4))
+    widths = draw(st.lists(st.integers(1, 4), min_size=depth + 1, max_size=depth + 1))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    weights = [rng.standard_normal((widths[i], widths[i + 1])) / 2 for i in range(depth)]
+    acts = draw(st.lists(st.sampled_from(sorted(ACTIVATIONS)), min_size=depth,
+                         max_size=depth))
+    passed = draw(st.lists(st.booleans(), min_size=depth, max_size=depth))
+    x = rng.standard_normal((draw(st.integers(1, 3)), widths[0]))
+    return weights, acts, passed, x, draw(st.integers(1, depth))
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # engines are reusable
+@given(closed_over_stacks())
+def test_weights_reached_by_closure_get_the_plain_graphs_gradient(
+        engine: pargrad.Engine, stack: tuple[list[np.ndarray], list[str], list[bool],
+                                             np.ndarray, int]) -> None:
+    arrays, acts, passed, x_array, segment = stack
+    weights = [pargrad.tensor(a, requires_grad=True) for a in arrays]
+    x = pargrad.tensor(x_array, requires_grad=True)
+
+    def apply_layers(h: Tensor, first: int, given: dict[int, Tensor]) -> Tensor:
+        for i in range(first, min(first + segment, len(weights))):
+            h = ACTIVATIONS[acts[i]](h @ given.get(i, weights[i]))
+        return h
+
+    expected = grads_of(_plain(x, weights, acts).sum(), x, *weights)
+    h = x
+    for first in range(0, len(weights), segment):
+        mine = [i for i in range(first, min(first + segment, len(weights))) if passed[i]]
+
+        def block(h: Tensor, *ws: Tensor, first: int = first, mine: list[int] = mine
+                  ) -> Tensor:
+            return apply_layers(h, first, dict(zip(mine, ws)))
+
+        h = checkpoint(block, h, *[weights[i] for i in mine])
+    assert_same(grads_of(h.sum(), x, *weights), expected, bitwise=False)
+
+
+def _plain(x: Tensor, weights: list[Tensor], acts: list[str]) -> Tensor:
+    for w, act in zip(weights, acts):
+        x = ACTIVATIONS[act](x @ w)
+    return x
+
+
+def test_a_tensor_computed_before_fn_gets_its_gradient_through_its_history(
+        engine: pargrad.Engine) -> None:
+    w = pargrad.tensor([[1.0, -2.0], [0.5, 3.0]], requires_grad=True)
+    x = pargrad.tensor([[2.0, 1.0]], requires_grad=True)
+    scaled = w * 3  # a non-leaf fn closes over: its gradient must go on to w
+    y = checkpoint(lambda h: (h @ scaled).sum(), x)
+    assert [n.name() for n, _ in y.grad_fn.next_functions[1:]] == [
+        "AccumulateGrad", "MultiplyBackward"]
+    y.backward(retain_graph=True)  # (scaled's node is used again below)
+    # d/dx sum(x @ 3w) = 3 * row sums of w; d/dw = 3 * x^T broadcast over columns.
+    np.testing.assert_array_equal(x.grad.data, [[-3.0, 10.5]])
+    np.testing.assert_array_equal(w.grad.data, [[6.0, 6.0], [3.0, 3.0]])
+    out = checkpoint(lambda h: scaled, x)  # fn returns the outside tensor itself
+    out.sum().backward()
+    np.testing.assert_array_equal(w.grad.data, [[9.0, 9.0], [6.0, 6.0]])
+
+
+def test_closed_over_leaves_in_nested_checkpoints_and_second_order(
+        engine: pargrad.Engine) -> None:
+    w = pargrad.tensor([0.7, -1.2, 0.4], requires_grad=True)
+    x = pargrad.tensor([0.3, 0.9, -0.5], requires_grad=True)
+
+    def inner(h: Tensor) -> Tensor:
+        return (h * w).sin()
+
+    def outer(h: Tensor) -> Tensor:
+        return checkpoint(inner, checkpoint(inner, h)) * w
+
+    expected = grads_of((inner(inner(x)) * w).sum(), x, w)
+    assert_same(grads_of(checkpoint(outer, x).sum(), x, w), expected, bitwise=False)
+    # Second order through a closure: d/dw of (d/dx sum(sin(x*w)*w)) . 1.
+    (gx,) = pargrad.grad(checkpoint(lambda h: (h * w).sin() * w, x).sum(), x,
+                         create_graph=True)
+    (gw,) = pargrad.grad(gx.sum(), w)
+    u = x.data * w.data
+    expected_gw = 2 * w.data * np.cos(u) - w.data ** 2 * x.data * np.sin(u)
+    np.testing.assert_allclose(gw.data, expected_gw, rtol=1e-12)
+
+
+def test_a_closed_over_leaf_changed_in_place_before_backward_is_refused(
+        engine: pargrad.Engine) -> None:
     x, w, _ = leaves()
-    y = checkpoint(lambda h: layer(h, w), x)  # w is not an argument
-    with pytest.raises(pargrad.BackwardError, match=r"CheckpointBackward: RuntimeError: "
-                       r"checkpoint: fn uses a tensor that requires grad but is not an "
-                       r"argument of checkpoint \(a leaf of shape \(4, 4\)\)"):
-        y.sum().backward()
-    h = x * 2  # computed outside fn, requires grad
-    y = checkpoint(lambda a: a + h, x)
-    with pytest.raises(pargrad.BackwardError, match=r"\(MultiplyBackward, computed before fn"):
+    y = checkpoint(lambda h: layer(h, w), x)
+    with pargrad.no_grad():
+        w *= 0.5  # an optimizer step before the backward: recomputing would be wrong
+    with pytest.raises(pargrad.BackwardError, match=r"CheckpointBackward: one of the tensors "
+                       r"saved for its backward was changed by an in-place operation: saved "
+                       r"tensor 1 \(shape \(4, 4\)"):
         y.sum().backward()
     assert x.grad is None and w.grad is None
+
+
+def test_fn_that_reaches_another_tensor_in_backward_is_refused(engine: pargrad.Engine) -> None:
+    x, w, v = leaves()
+    use = [w]
+    y = checkpoint(lambda h: layer(h, use[0]), x)
+    use[0] = v  # not deterministic: backward's graph reaches a tensor forward's did not
+    with pytest.raises(pargrad.BackwardError, match=r"CheckpointBackward: RuntimeError: "
+                       r"checkpoint: recomputed in backward, fn reached a tensor that "
+                       r"requires grad which it did not reach in forward \(a leaf of "
+                       r"shape \(4, 4\)\)"):
+        y.sum().backward()
+    h = x * 2
+    y = checkpoint(lambda a: a + h, x)
+    h.mul_(1.5)  # h now has another history than the one forward saw
+    with pytest.raises(pargrad.BackwardError, match=r"did not reach in forward \(output 0 "
+                                                    r"of MultiplyBackward"):
+        y.sum().backward()
+    assert x.grad is None and w.grad is None and v.grad is None
 
 
 def test_bad_outputs_and_a_second_backward(engine: pargrad.Engine) -> None:
