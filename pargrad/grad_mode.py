@@ -65,7 +65,19 @@ def _saved_modes() -> list[bool]:
     return saved
 
 
-class ModeContext:
+class _Switchable(type):
+    """Metaclass of the mode switches: ``Switch(func)``, a class applied to a function
+    as a bare decorator (``@no_grad``), means ``Switch()(func)``."""
+
+    _bare: bool
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if len(args) == 1 and not kwargs and callable(args[0]) and cls._bare:
+            return super().__call__()(args[0])
+        return super().__call__(*args, **kwargs)
+
+
+class ModeContext(metaclass=_Switchable):
     """Base for switches of a thread-local mode (grad mode here, anomaly mode in
     anomaly.py) usable as context managers and as decorators.
 
@@ -73,10 +85,11 @@ class ModeContext:
     ``_write``) and where the thread keeps the modes to restore (``_saved``: a list,
     innermost last); an instance switches to ``_mode``. The mode to restore is kept per
     thread, so one instance may be entered by several threads at once (or re-entered)
-    without mixing up their modes.
+    without mixing up their modes. ``_bare``: the class itself decorates a function.
     """
 
     _mode: Any
+    _bare = False
 
     @staticmethod
     def _read() -> Any:
@@ -90,9 +103,16 @@ class ModeContext:
     def _saved() -> list[Any]:
         raise NotImplementedError
 
-    def __enter__(self) -> None:
+    def _switch_in(self, mode: Any) -> None:
+        """Switch to ``mode``, remembering the mode found on this thread's stack."""
         self._saved().append(self._read())
-        self._write(self._mode)
+        self._write(mode)
+
+    def _switch_back(self) -> None:
+        self._write(self._saved().pop())
+
+    def __enter__(self) -> None:
+        self._switch_in(self._mode)
 
     def __exit__(
         self,
@@ -100,49 +120,51 @@ class ModeContext:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._write(self._saved().pop())
+        self._switch_back()
+
+    def _for_each_call(self) -> ModeContext:
+        """The switch a decorated function enters on each call: this one (its modes to
+        restore live in the thread, so one instance serves every call and thread)."""
+        return self
 
     def __call__(self, func: F) -> F:
         """Use as a decorator: every call of ``func`` runs under this mode; for a
-        generator function, every step of the generator (as in PyTorch), while the code
-        that iterates it keeps its own mode."""
+        generator function, each step of the generator's body does (the code that
+        drives the generator keeps its own mode in between)."""
+        switch = self._for_each_call()
         if inspect.isgeneratorfunction(func):
-            return self._wrap_generator(func)  # type: ignore[return-value]
+            def start(*args: Any, **kwargs: Any) -> _StepsUnder:
+                return _StepsUnder(func(*args, **kwargs), switch)
+            return functools.update_wrapper(start, func)  # type: ignore[return-value]
 
-        @functools.wraps(func)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            with self._fresh():
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with switch:
                 return func(*args, **kwargs)
+        return functools.update_wrapper(call, func)  # type: ignore[return-value]
 
-        return wrapper  # type: ignore[return-value]
 
-    def _wrap_generator(self, func: Callable[..., Generator[Any, Any, Any]]) -> Callable[..., Any]:
-        @functools.wraps(func)
-        def generator(*args: Any, **kwargs: Any) -> Generator[Any, Any, Any]:
-            gen = func(*args, **kwargs)
-            try:
-                with self._fresh():
-                    response = gen.send(None)
-                while True:
-                    try:
-                        request = yield response
-                    except GeneratorExit:
-                        with self._fresh():
-                            gen.close()
-                        raise
-                    except BaseException as exc:  # thrown in: the body handles it
-                        with self._fresh():
-                            response = gen.throw(exc)
-                    else:
-                        with self._fresh():
-                            response = gen.send(request)
-            except StopIteration as stop:
-                return stop.value
+class _StepsUnder(Generator[Any, Any, Any]):
+    """A generator whose every step (send, throw, close) runs inside ``switch``: what a
+    switch makes of a generator function it decorates. Its ``StopIteration`` carries the
+    body's return value, so ``yield from`` sees it."""
 
-        return generator
+    __slots__ = ("_body", "_switch")
 
-    def _fresh(self) -> ModeContext:
-        return self  # the saved modes live in the thread, so one instance serves all calls
+    def __init__(self, body: Generator[Any, Any, Any], switch: ModeContext) -> None:
+        self._body = body
+        self._switch = switch
+
+    def send(self, value: Any) -> Any:
+        with self._switch:
+            return self._body.send(value)
+
+    def throw(self, *exc: Any) -> Any:
+        with self._switch:
+            return self._body.throw(*exc)
+
+    def close(self) -> None:
+        with self._switch:
+            self._body.close()
 
 
 class SetModeContext(ModeContext):
@@ -153,16 +175,14 @@ class SetModeContext(ModeContext):
     A subclass's ``__init__`` calls ``_start(mode)``.
     """
 
-    _previous: Any
+    _found: Any  # the thread's mode when this switch was made
 
     def _start(self, mode: Any) -> None:
-        self._mode = mode
-        self._previous = self._read()
+        self._mode, self._found = mode, self._read()
         self._write(mode)
 
     def __enter__(self) -> None:
-        # The mode was already set by _start; nothing more to do.
-        pass
+        return None  # _start switched already
 
     def __exit__(
         self,
@@ -170,17 +190,23 @@ class SetModeContext(ModeContext):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._write(self._previous)
+        self._write(self._found)
 
     def __call__(self, func: F) -> F:
-        # Used as a decorator, creating this object must not leave the mode changed.
-        self._write(self._previous)
+        self._write(self._found)  # as a decorator it changes nothing until func is called
         return super().__call__(func)
 
-    def _fresh(self) -> ModeContext:
-        fresh = object.__new__(type(self))  # each call sets (and restores) the mode anew
-        fresh._start(self._mode)
-        return fresh
+    def _for_each_call(self) -> ModeContext:
+        return _Scoped(self)
+
+
+class _Scoped(ModeContext):
+    """``owner``'s mode for one block at a time, restored from the thread's stack."""
+
+    def __init__(self, owner: ModeContext) -> None:
+        self._mode = owner._mode
+        self._read, self._write, self._saved = (  # type: ignore[method-assign]
+            owner._read, owner._write, owner._saved)
 
 
 class _GradModeContext(ModeContext):
@@ -191,16 +217,7 @@ class _GradModeContext(ModeContext):
     _saved = staticmethod(_saved_modes)
 
 
-class _BareDecorator(_GradModeContext):
-    """A switch that also decorates without parentheses: ``@no_grad`` as ``@no_grad()``."""
-
-    def __new__(cls, func: Callable[..., Any] | None = None) -> Any:
-        if func is None:
-            return super().__new__(cls)
-        return cls()(func)
-
-
-class no_grad(_BareDecorator):
+class no_grad(_GradModeContext):
     """Context manager and decorator (with or without parentheses) that disables graph
     recording in this thread; on a generator function it applies to the generator's
     body, step by step.
@@ -214,13 +231,15 @@ class no_grad(_BareDecorator):
     """
 
     _mode = False
+    _bare = True
 
 
-class enable_grad(_BareDecorator):
+class enable_grad(_GradModeContext):
     """Context manager and decorator (with or without parentheses) that enables graph
     recording in this thread (see ``no_grad``)."""
 
     _mode = True
+    _bare = True
 
 
 class set_grad_enabled(SetModeContext, _GradModeContext):
