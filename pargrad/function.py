@@ -408,5 +408,7 @@ class DelayedError(Node):
         self.of = of
 
     def backward(self, grads: tuple[Grad, ...]) -> list[Grad | None]:
-        raise BackwardError(self.name(), f"trying to differentiate the gradients of {self.of}, "
-                                         f"whose backward is marked @once_differentiable")
+        raise BackwardError(self.name(), f"{self.of} has a backward marked "
+                                         f"@once_differentiable, so the gradients it computed "
+                                         f"have no derivative; drop the decorator to "
+                                         f"differentiate them again")

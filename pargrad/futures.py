@@ -192,7 +192,7 @@ class BackwardFuture(Future[T]):
         try:
             fn(self)
         except BaseException:  # as the base class's: nobody else could get it
-            _LOGGER.exception("exception calling callback for %r", self)
+            _LOGGER.exception("a done-callback of %r raised", self)
 
     def set_result(self, result: T) -> None:
         """Resolve with ``result``, wake the waiters, then run the callbacks (as
@@ -234,7 +234,7 @@ class BackwardFuture(Future[T]):
             try:
                 callback(self)
             except Exception:
-                _LOGGER.exception("exception calling callback for %r", self)
+                _LOGGER.exception("a done-callback of %r raised", self)
             except BaseException as exc:
                 escaped = escaped if escaped is not None else exc
         if escaped is not None:
