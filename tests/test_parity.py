@@ -1,5 +1,6 @@
-"""Issue 14: each behaviour in its list, PyTorch's or a documented deliberate difference,
-with a test of its own (the ports of PyTorch's tests are in tests/peer_torch)."""
+"""Behaviours where pargrad once gave a wrong result or a confusing error next to
+torch.autograd, each PyTorch's or a documented deliberate difference, with a test of its
+own (the parity suite by area is tests/parity)."""
 
 from __future__ import annotations
 
