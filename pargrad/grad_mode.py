@@ -11,7 +11,7 @@ import inspect
 import threading
 from collections.abc import Callable, Generator
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -217,7 +217,24 @@ class _GradModeContext(ModeContext):
     _saved = staticmethod(_saved_modes)
 
 
-class no_grad(_GradModeContext):
+S = TypeVar("S", bound="_BareSwitch")
+
+
+class _BareSwitch(_GradModeContext):
+    """A grad-mode switch whose class also decorates: ``@no_grad`` as ``@no_grad()``
+    (done by ``_Switchable``; the signatures below only tell type checkers so)."""
+
+    _bare = True
+
+    if TYPE_CHECKING:
+        @overload
+        def __new__(cls: type[S]) -> S: ...
+        @overload
+        def __new__(cls, func: F, /) -> F: ...  # type: ignore[misc]
+        def __new__(cls, *func: Any) -> Any: ...
+
+
+class no_grad(_BareSwitch):
     """Context manager and decorator (with or without parentheses) that disables graph
     recording in this thread; on a generator function it applies to the generator's
     body, step by step.
@@ -231,15 +248,13 @@ class no_grad(_GradModeContext):
     """
 
     _mode = False
-    _bare = True
 
 
-class enable_grad(_GradModeContext):
+class enable_grad(_BareSwitch):
     """Context manager and decorator (with or without parentheses) that enables graph
     recording in this thread (see ``no_grad``)."""
 
     _mode = True
-    _bare = True
 
 
 class set_grad_enabled(SetModeContext, _GradModeContext):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -67,6 +68,28 @@ def canonical_engine(request: pytest.FixtureRequest) -> Iterator[pargrad.Engine]
 def in_order_engine(request: pytest.FixtureRequest) -> Iterator[pargrad.Engine]:
     """Like ``engine``, over the engines that run nodes in reverse creation order."""
     yield from _use(request.param)
+
+
+# ----- Ctrl-C: tests that send SIGINT get Python's own handler -----
+# A process started with SIGINT ignored (a background job, some CI runners) passes that
+# on, and pargrad rightly leaves an ignored SIGINT alone: the tests that check what a
+# Ctrl-C does are marked ``sigint`` and run with Python's default handler installed.
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "sigint: sends SIGINT; runs with Python's default SIGINT handler")
+
+
+@pytest.fixture(autouse=True)
+def _default_sigint_for_marked(request: pytest.FixtureRequest) -> Iterator[None]:
+    if request.node.get_closest_marker("sigint") is None:
+        yield
+        return
+    found = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, found)
 
 
 # ----- race rounds: the concurrency tests again, under a tiny switch interval -----

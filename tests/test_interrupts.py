@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -25,6 +25,9 @@ import pargrad
 from pargrad import Tensor
 from tests.helpers import assert_left_as_found, sleeping_function
 from tests.interrupting import SigintAt, code_objects
+
+# Every test here sends SIGINT (tests/conftest.py installs Python's handler for each).
+pytestmark = pytest.mark.sigint
 
 THREADED = "pargrad.engine.threaded"
 LOOP = "pargrad.engine.loop"
@@ -60,14 +63,6 @@ BOUND = 20.0  # seconds any one step may take before it counts as hung
 
 def leaf(value: Any) -> Tensor:
     return pargrad.tensor(value, requires_grad=True)
-
-
-@pytest.fixture(autouse=True)
-def default_sigint() -> Iterator[None]:
-    """Ctrl-C raises KeyboardInterrupt, whatever the runner installed."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, previous)
 
 
 def graph(leaves: list[Tensor], right_on: str = "cpu:1") -> Tensor:

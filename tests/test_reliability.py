@@ -231,6 +231,7 @@ COMMIT_CODE = [("pargrad.autograd", "_BackwardCall.commit"),
                ("pargrad.interrupts", "deferred_interrupts.__exit__")]
 
 
+@pytest.mark.sigint
 def test_commit_is_all_or_nothing_under_sigint_at_every_signal_point() -> None:
     import sys
 

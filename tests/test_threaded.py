@@ -372,6 +372,7 @@ def test_reentrant_backward_from_many_branches_at_once() -> None:
 # ----- interrupts -----
 
 @pytest.mark.timeout(60)
+@pytest.mark.sigint
 def test_keyboard_interrupt_stops_the_backward() -> None:
     import signal
 
