@@ -33,14 +33,9 @@ from benchmarks.overlap import NAME as OVERLAP
 from benchmarks.overlap import run_overlap
 from benchmarks.peers import versions
 from benchmarks.suite import contenders, run_sweep, run_widths, run_workload, settings
-from benchmarks.workloads import make_workloads
+from benchmarks.workloads import make_workloads, selected
 
 WIDE = ("wide-matmul", "wide-elementwise")
-
-
-def _selected(name: str, only: list[str] | None) -> bool:
-    """``--only wide-matmul`` picks that workload; ``--only random-dag`` every size."""
-    return only is None or any(name == o or name.startswith(o + ":") for o in only)
 
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -97,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
               f"(as many as fit in {s.budget_s:.0f} s per workload), medians; "
               f"the default engine is threaded({made.default_workers})")
         for name, make in make_workloads(mode).items():
-            if not _selected(name, only):
+            if not selected(name, only):
                 continue
             try:
                 workload = make()
@@ -110,15 +105,15 @@ def main(argv: list[str] | None = None) -> int:
             figures["workloads"].append(result)
             report.print_workload(result)
         for name in WIDE:
-            if _selected(name, only):
+            if selected(name, only):
                 measured = next(w for w in figures["workloads"] if w["name"] == name)
                 figures["widths"][name] = run_widths(name, made, s, measured)
         if "wide-elementwise" in figures["widths"]:
             figures["sweep"] = run_sweep(made, s)
-    if _selected(OVERLAP, only):
+    if selected(OVERLAP, only):
         figures["overlap"] = run_overlap(mode, s.repeats)
         report.print_overlap(figures["overlap"])
-    if _selected(DATA_PARALLEL, only):  # under mpiexec, on 1 and 2 ranks
+    if selected(DATA_PARALLEL, only):  # under mpiexec, on 1 and 2 ranks
         figures[DATA_PARALLEL] = run_data_parallel(mode)
         print_data_parallel(figures[DATA_PARALLEL])
     default = f"threaded({made.default_workers})"

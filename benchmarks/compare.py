@@ -319,9 +319,8 @@ def compare(args: argparse.Namespace, only: list[str] | None, mode: str) -> int:
           f"{_git('rev-parse', '--short=12', 'HEAD')}"
           f"{', with changes to pargrad/' if changed else ''}); {mode} run in {rounds} "
           f"rounds of each workload on both, each tree in its own process")
-    from benchmarks.__main__ import _selected
-    from benchmarks.workloads import make_workloads
-    names = [name for name in make_workloads(mode) if _selected(name, only)]
+    from benchmarks.workloads import make_workloads, selected
+    names = [name for name in make_workloads(mode) if selected(name, only)]
     try:
         with materialised(rev) as old:
             runs, answer = _interleaved({"rev": old, "current": ROOT}, request, names)

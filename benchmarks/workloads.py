@@ -478,6 +478,12 @@ CLASSES: dict[str, Callable[..., Workload]] = {
 RANDOM_DAG_STEPS = {"full": (30, 300, 1000), "quick": (30, 300), "smoke": (12,)}
 
 
+def selected(name: str, only: list[str] | None) -> bool:
+    """Whether ``--only`` picks workload ``name``: ``wide-matmul`` that workload,
+    ``random-dag`` every size (``random-dag:30``, ...); None picks every workload."""
+    return only is None or any(name == o or name.startswith(o + ":") for o in only)
+
+
 def make_workloads(mode: str) -> dict[str, Callable[[], Workload]]:
     """Every workload's name and constructor at the sizes of ``mode`` (``full``,
     ``quick`` or ``smoke``). The random-dag constructors need hypothesis (they import

@@ -26,7 +26,7 @@ from pargrad.grad_mode import enable_grad
 from pargrad.graph import AccumulateGrad, BackwardError, Edge, Grad
 from pargrad.interrupts import HELD, NODE, deferred_interrupts, gate_installed
 from pargrad.ops import copy
-from pargrad.tensor import Tensor, grad_lock
+from pargrad.tensor import Tensor, bind_backward, grad_lock
 from pargrad.versions import counter_of
 
 
@@ -564,3 +564,6 @@ def _vjp(outputs: Sequence[Tensor], cotangents: Sequence[Any], inputs: Sequence[
             grads.append(np.asarray(c.data if isinstance(c, Tensor) else c, dtype=o.dtype))
     return grad([o for o, _ in pairs], inputs, grads, retain_graph=retain_graph,
                 create_graph=create_graph, allow_unused=True, engine=engine)
+
+
+bind_backward(tensor_backward)  # Tensor.backward is this module's, and Tensor sits below it

@@ -33,6 +33,7 @@ from pargrad.devices import Device, common_device
 from pargrad.grad_mode import is_grad_enabled, no_grad
 from pargrad.graph import BackwardError, Grad, Node
 from pargrad.hooks import NodeHooks
+from pargrad.ops.inplace import check_recordable, rebase_view
 from pargrad.tensor import Tensor, check_saved_data, input_edges, saved_versions
 from pargrad.versions import Saved, check, counter_of
 from pargrad.views import view_of
@@ -241,8 +242,6 @@ def _array(result: Any) -> np.ndarray | None:
 
 def _check_dirty(name: str, dirty: tuple[Tensor, ...], args: tuple[Any, ...],
                  results: tuple[Any, ...], records: bool) -> None:
-    from pargrad.ops.inplace import check_recordable
-
     for t in dirty:
         if not any(t is a for a in args):
             raise ValueError(f"{name}.forward: mark_dirty takes input Tensors only, got "
@@ -265,8 +264,6 @@ def _output(ctx: FunctionCtx, node: Node | None, i: int, result: Any, array: np.
                       and not any(result is n for n in ctx._non_differentiable))
     if any(result is t for t in ctx._dirty):  # changed in place: the input itself
         if differentiable and result._view is not None:  # its base takes the change
-            from pargrad.ops.inplace import rebase_view
-
             rebase_view(result, Tensor._make(array, node, i, device))
         elif differentiable:
             result._rebase(node, i)

@@ -27,6 +27,7 @@ from pargrad.views import View, refresh
 
 if TYPE_CHECKING:
     from pargrad import ops as _ops
+    from pargrad.autograd import tensor_backward as _backward
     from pargrad.engine.base import Engine
     from pargrad.ops import inplace as _inplace
 
@@ -409,9 +410,7 @@ class Tensor:
         >>> x.grad
         tensor([2., 4.], dtype=float64)
         """
-        from pargrad.autograd import tensor_backward
-
-        tensor_backward(self, gradient, retain_graph, create_graph, inputs, engine)
+        _backward(self, gradient, retain_graph, create_graph, inputs, engine)
 
     # ----- array facts -----
 
@@ -940,9 +939,10 @@ def tensor(
 set_gradient_view(lambda array, device: Tensor._make(array, device=device))
 
 # Tensor's operators call the ops, and the ops build Tensors: the ops package, which
-# imports this module, binds these three names when it is imported (``bind_ops``).
+# imports this module, binds these three names when it is imported (``bind_ops``);
+# likewise ``Tensor.backward`` is autograd's, bound by it (``bind_backward``).
 if not TYPE_CHECKING:
-    _ops = _inplace = None
+    _ops = _inplace = _backward = None
 _ufunc_calls: dict[np.ufunc, Callable[[tuple[Any, ...], dict[str, Any]], Tensor]] = {}
 """The ``Op.call`` of each op that serves a ufunc on Tensors (``ops.core.UFUNC_CALLS``)."""
 _NO_PARAMS: dict[str, Any] = {}
@@ -956,6 +956,13 @@ def bind_ops(ops: ModuleType, inplace: ModuleType) -> None:
     names are read-only after.
     """
     globals().update(_ops=ops, _inplace=inplace, _ufunc_calls=ops.core.UFUNC_CALLS)
+
+
+def bind_backward(backward: Callable[..., None]) -> None:
+    """Give ``Tensor.backward`` the function it delegates to: called once by
+    ``pargrad/autograd.py`` at import (which ``import pargrad`` always runs); read-only
+    after."""
+    globals().update(_backward=backward)
 
 
 # Methods with an axis: torch's dim= / keepdim= get a message naming numpy's keywords.
