@@ -30,8 +30,9 @@ def _ignore_sigint() -> None:  # runs in the child before exec; SIG_IGN survives
 @pytest.mark.timeout(300)
 def test_ctrl_c_tests_pass_in_a_process_started_with_sigint_ignored() -> None:
     child = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *SIGINT_FILES], cwd=ROOT, capture_output=True, text=True, timeout=280,
-        preexec_fn=_ignore_sigint, env={**os.environ, "PARGRAD_RACE_BUDGET": "0"})
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *SIGINT_FILES],
+        cwd=ROOT, capture_output=True, text=True, timeout=280, preexec_fn=_ignore_sigint,
+        env={**os.environ, "PARGRAD_RACE_BUDGET": "0"})
     summary = child.stdout.strip().splitlines()[-1] if child.stdout.strip() else ""
     assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-2000:]
     assert " passed" in summary and "failed" not in summary, summary
