@@ -22,7 +22,6 @@ NOTHING_TO_DIFFERENTIATE = "does not require grad and has no grad_fn"
 WAIT_S = 10.0
 
 
-
 def _assert_detached(t: Tensor) -> None:
     """``t`` carries no history: it neither requires grad nor can start a backward."""
     assert not t.requires_grad

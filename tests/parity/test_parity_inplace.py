@@ -5,6 +5,7 @@ is refused."""
 from __future__ import annotations
 
 import gc
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -22,9 +23,6 @@ from tests.strategies import values
 STALE = "changed by an in-place operation"
 LEAF_REFUSED = "a leaf tensor that requires grad cannot be changed in place"
 VIEW_REFUSED = "a view of a leaf tensor that requires grad cannot be changed in place"
-
-
-
 
 
 # ----- in-place changes and the nodes that saved (or did not save) the tensor -----
@@ -59,6 +57,19 @@ def test_a_multiply_that_saved_the_tensor_refuses_after_it_changed(
     assert caught.value.node_name == "MultiplyBackward"
     assert "is at version 1, but was saved at version 0" in str(caught.value)
     assert a.grad is None and b.grad is None  # a refused backward commits nothing
+
+
+def test_an_add_that_read_a_tensor_keeps_its_gradient_after_a_tensor_is_added_in() -> None:
+    a, b, y = leaf(1.5, -2.0, 0.0), leaf(4.0, 1.0, -1.0), leaf(10.0, 20.0, 30.0)
+    z = a * -3.0
+    total = z + b                         # an add saves neither operand
+    z.add_(y)                             # a tensor operand this time, not a number
+    assert z._version == 1
+    close(z, [5.5, 26.0, 30.0])
+    total.backward(np.array([2.0, 1.0, -1.0]))
+    close(a.grad, [-6.0, -3.0, 3.0])
+    close(b.grad, [2.0, 1.0, -1.0])
+    assert y.grad is None                 # y joined z after total was computed
 
 
 def test_changing_a_leaf_copy_that_a_multiply_saved_is_caught() -> None:
@@ -411,29 +422,41 @@ def test_changing_a_parameter_or_its_view_with_grad_mode_on_is_refused(
 # ----- views of non-leaf tensors -----
 
 
-def test_a_view_changed_in_place_and_then_dropped_still_backprops() -> None:
-    w = leaf(0.5, 2.0, -1.0, 3.0)
-    h = w - 1.0
-    view = h.reshape((2, 2))
-    view.relu_()
-    close(h, [0.0, 1.0, 0.0, 2.0])         # the change is in h's memory
-    kept = view * 1.0
-    del view
+def test_a_result_of_a_changed_view_backprops_after_the_view_is_collected() -> None:
+    p = pargrad.tensor([[0.5, 1.0, -0.5], [2.0, 0.0, 1.5]], requires_grad=True)
+    base = p * 2.0
+    column = base[:, 1]
+    column.sin_()
+    close(base.data[:, 1], np.sin(2.0 * p.data[:, 1]))   # written into base's memory
+    later = column * np.array([3.0, -1.0])
+    gone = weakref.ref(column)
+    del column
     gc.collect()
-    total = kept.sum()
-    close(total, 3.0)
-    total.backward()
-    close(w.grad, [0.0, 1.0, 0.0, 1.0])
+    assert gone() is None
+    later.sum().backward()
+    expected = np.zeros((2, 3))
+    expected[:, 1] = np.array([3.0, -1.0]) * 2.0 * np.cos(2.0 * p.data[:, 1])
+    close(p.grad, expected)
 
 
-def test_rewriting_a_detached_buffer_does_not_disturb_a_multiply_by_a_constant() -> None:
-    p = leaf(2.0)
-    buffer = pargrad.tensor(np.zeros(1))
-    loss = pargrad.tensor(0.0)
-    for k, scale in enumerate([1.0, 10.0, 100.0]):
-        buffer.detach_()                   # cut the previous round's history
+def test_products_by_constants_survive_detach_and_rewrite_rounds() -> None:
+    w = leaf(1.0, 2.0, 3.0, 4.0)
+    buffer = w * 1.0
+    # (slots written, multiplier of w written there, constant the buffer is then scaled by)
+    rounds = [(slice(0, 2), 0.5, 3.0), (slice(1, 3), 2.0, -1.0), (slice(2, 4), -2.0, 4.0)]
+    products = []
+    expected = np.zeros(4)
+    for slots, multiplier, constant in rounds:
+        buffer.detach_()
         assert buffer.grad_fn is None and not buffer.requires_grad
-        buffer[...] = p * (k + 1.0)        # the write each later round sees
-        loss = loss + (buffer * pargrad.tensor([scale])).sum()
-    loss.backward()                        # no multiply read buffer, so no stale value
-    close(p.grad, [1.0 * 1 + 10.0 * 2 + 100.0 * 3])
+        version = buffer._version
+        buffer[slots] = w[slots] * multiplier  # changes what earlier products multiplied
+        assert buffer._version == version + 1
+        assert buffer.requires_grad and buffer.grad_fn is not None
+        products.append(buffer * constant)    # a product by a number saves no tensor
+        expected[slots] += multiplier * constant
+    loss = products[0].sum()
+    for product in products[1:]:
+        loss = loss + product.sum()
+    loss.backward()
+    close(w.grad, expected)

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -184,35 +186,58 @@ def nesting_events() -> list[str]:
     return down + up
 
 
-def test_a_nested_backward_runs_before_the_parents_remaining_nodes(
-        request: pytest.FixtureRequest) -> None:
-    if request.node.callspec.params["engine"] == "threaded-handoff1":
-        pytest.skip("nodes handed to several threads: see the test below")
-    log = EventLog()
-    a_leaf, b_leaf, root = order_graph(log)
-    pargrad.backward([root])
+@contextmanager
+def running_on(made: pargrad.Engine) -> Iterator[None]:
+    """Make ``made`` current here and the default elsewhere (as the conftest fixture
+    does), shutting a ThreadedEngine down afterwards."""
+    before = pargrad.get_default_engine()
+    pargrad.set_default_engine(made)
+    try:
+        with pargrad.use_engine(made):
+            yield
+    finally:
+        pargrad.set_default_engine(before)
+        if isinstance(made, pargrad.ThreadedEngine):
+            made.shutdown()
+
+
+# The order depends on whether nodes stay on the thread that made them ready, so the two
+# tests below build the engines they are about themselves. Parametrizing ``engine``
+# replaces the conftest's autouse fixture for them; the labels are conftest's, so that
+# tests/parity/report.py counts each test under the engine it stands for.
+ALL_INLINE = 10 ** 9  # a hand-off threshold no node here reaches: every node stays inline
+
+
+@pytest.mark.parametrize("engine", ["sequential", "threaded"])
+def test_a_nested_backward_runs_before_the_parents_remaining_nodes(engine: str) -> None:
+    made = (pargrad.SequentialEngine() if engine == "sequential"
+            else pargrad.ThreadedEngine(handoff_threshold=ALL_INLINE))
+    with running_on(made):
+        log = EventLog()
+        a_leaf, b_leaf, root = order_graph(log)
+        pargrad.backward([root])
     assert log.events == [*nesting_events(), "parent outer", "parent inner"]
     close(a_leaf.grad, 4.0)
     close(b_leaf.grad, 3.0)
 
 
-@pytest.mark.differs("with every node handed to the workers, a parent's ready nodes may "
-                     "run alongside a nested backward instead of after it")
+@pytest.mark.differs("once nodes are handed to worker threads, the parent's ready nodes "
+                     "are no longer held back until the nested backward has finished")
+@pytest.mark.parametrize("engine", ["threaded-handoff1"])
 def test_with_nodes_handed_off_a_nested_backward_still_completes_inside_its_node(
-        request: pytest.FixtureRequest) -> None:
-    if request.node.callspec.params["engine"] != "threaded-handoff1":
-        pytest.skip("the order is exact on this engine: see the test above")
-    for _ in range(5):  # where the parent's nodes land varies from run to run
-        log = EventLog()
-        a_leaf, b_leaf, root = order_graph(log)
-        pargrad.backward([root])
-        events = log.events
-        assert [e for e in events if e.startswith("nest")] == nesting_events()
-        assert [e for e in events if e.startswith("parent")] == ["parent outer",
-                                                                  "parent inner"]
-        assert len(events) == len(nesting_events()) + 2
-        close(a_leaf.grad, 4.0)
-        close(b_leaf.grad, 3.0)
+        engine: str) -> None:
+    with running_on(pargrad.ThreadedEngine(handoff_threshold=1)):
+        for _ in range(5):  # where the parent's nodes land varies from run to run
+            log = EventLog()
+            a_leaf, b_leaf, root = order_graph(log)
+            pargrad.backward([root])
+            events = log.events
+            assert [e for e in events if e.startswith("nest")] == nesting_events()
+            assert [e for e in events if e.startswith("parent")] == ["parent outer",
+                                                                      "parent inner"]
+            assert len(events) == len(nesting_events()) + 2
+            close(a_leaf.grad, 4.0)
+            close(b_leaf.grad, 3.0)
 
 
 # ----- queue_callback -----
@@ -255,79 +280,67 @@ def test_a_callback_may_queue_another_and_both_run_after_the_last_node() -> None
     close(x.grad, [3.0, 3.0])
 
 
-@pytest.mark.parametrize("queued_by", [{"outer"}, {"inner"}, {"outer", "inner"}],
-                         ids=["outer", "inner", "both"])
-def test_a_callback_runs_once_at_the_end_of_the_backward_that_queued_it(
+@pytest.mark.parametrize("queued_by", [set(), {"outer"}, {"inner"}, {"outer", "inner"}],
+                         ids=["none", "outer-node", "nested-node", "both"])
+def test_callbacks_run_once_at_the_end_of_the_backward_whose_node_queued_them(
         queued_by: set[str]) -> None:
     log = EventLog()
+    inner_leaves: list[Tensor] = []
 
-    class InnerNode(Function):
+    class InnerStep(Function):
         @staticmethod
-        def forward(ctx: Any, x: Tensor) -> np.ndarray:
-            return x.data.copy()
+        def forward(ctx: Any, z: Tensor) -> np.ndarray:
+            return z.data * 4.0
 
         @staticmethod
-        @once_differentiable
         def backward(ctx: Any, g: Tensor) -> Tensor:
-            log.add("inner node")
+            log.add("nested node")
             if "inner" in queued_by:
-                pargrad.queue_callback(lambda: log.add("inner callback"))
-            return g
+                pargrad.queue_callback(lambda: log.add("nested callback"))
+            return g * 4.0
 
-    class OuterNode(Function):
+    class RunsNested(Function):
         @staticmethod
         def forward(ctx: Any, x: Tensor) -> np.ndarray:
             return x.data.copy()
 
         @staticmethod
-        @once_differentiable
         def backward(ctx: Any, g: Tensor) -> Tensor:
-            log.add("outer node")
-            if "outer" in queued_by:
+            if "outer" in queued_by:  # queued before the nested backward even starts
                 pargrad.queue_callback(lambda: log.add("outer callback"))
-            fresh = g.detach().requires_grad_()
+            z = pargrad.tensor([1.0, 1.0], requires_grad=True)
             with pargrad.enable_grad():
-                inner_root = (InnerNode.apply(fresh) * 2.0).sum()
-            inner_root.backward()
-            log.add("nested returned")
-            return pargrad.tensor(grad_of(fresh))
+                nested_root = InnerStep.apply(z).sum()
+            nested_root.backward()
+            inner_leaves.append(z)
+            log.add("nested backward returned")
+            return g * 5.0
 
-    x = pargrad.tensor([[1.0, 2.0], [3.0, 4.0]], requires_grad=True)
-    pargrad.backward([(OuterNode.apply(x * 1.0) * 5.0).sum()])
-    expected = ["outer node", "inner node", "inner callback", "nested returned",
-                "outer callback"]
-    dropped = {"inner", "outer"} - queued_by
-    assert log.events == [e for e in expected
-                          if not any(e == f"{d} callback" for d in dropped)]
-    close(x.grad, np.full((2, 2), 2.0))
+    class Earlier(Function):
+        @staticmethod
+        def forward(ctx: Any, x: Tensor) -> np.ndarray:
+            return x.data.copy()
+
+        @staticmethod
+        def backward(ctx: Any, g: Tensor) -> Tensor:
+            log.add("earlier node")
+            return g * -1.0
+
+    x = pargrad.tensor([2.0, -3.0], requires_grad=True)
+    pargrad.backward([(RunsNested.apply(Earlier.apply(x)) * np.array([1.0, 2.0])).sum(),
+                      (x * 0.5).sum()])
+    log.add("outer backward returned")
+    expected = ["nested node", *(["nested callback"] if "inner" in queued_by else []),
+                "nested backward returned", "earlier node",
+                *(["outer callback"] if "outer" in queued_by else []),
+                "outer backward returned"]
+    assert log.events == expected
+    close(x.grad, [-5.0 + 0.5, -10.0 + 0.5])
+    (z,) = inner_leaves
+    close(z.grad, [4.0, 4.0])
 
 
 # ----- checkpoint -----
-
-
-def two_layers(x: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
-    return pargrad.relu(x @ w1) @ w2
-
-
-def test_checkpointed_segments_give_the_plain_graphs_gradients() -> None:
-    rng = np.random.default_rng(7)
-    inputs = [rng.standard_normal((1, 3)) for _ in range(6)]
-    grads: dict[str, list[np.ndarray]] = {}
-    for how in ("plain", "checkpointed"):
-        w1 = pargrad.tensor(np.linspace(-1.0, 1.0, 12).reshape(3, 4), requires_grad=True)
-        w2 = pargrad.tensor(np.linspace(0.5, -0.5, 8).reshape(4, 2), requires_grad=True)
-        xs = [pargrad.tensor(a, requires_grad=True) for a in inputs]
-        if how == "plain":
-            features = [two_layers(x, w1, w2) for x in xs]
-        else:
-            features = [pargrad.checkpoint(two_layers, x, w1, w2) for x in xs]
-            assert all(f.grad_fn is not None and f.grad_fn.name() == "CheckpointBackward"
-                       for f in features)
-        pargrad.stack(features).mean().backward()
-        grads[how] = [grad_of(w1), grad_of(w2)] + [grad_of(x) for x in xs]
-    assert np.abs(grads["plain"][0]).sum() > 0  # relu let something through
-    for plain, checkpointed in zip(grads["plain"], grads["checkpointed"]):
-        np.testing.assert_allclose(checkpointed, plain, rtol=1e-12, atol=1e-14)
 
 
 @given(recipe=graph_recipes(max_steps=6))
@@ -350,17 +363,53 @@ def test_checkpointing_any_graph_keeps_its_gradients(recipe: GraphRecipe) -> Non
                                        rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.differs("torch's reentrant checkpoint refuses torch.autograd.grad")
-def test_grad_through_a_checkpoint_gives_the_plain_gradient() -> None:
-    a = pargrad.tensor([[0.0, 1.0], [-1.0, 0.5]], requires_grad=True)
-    weights = np.array([[1.0, 2.0], [3.0, 4.0]])
-    through = (pargrad.checkpoint(pargrad.exp, a) * weights).sum()
-    (grad,) = pargrad.grad(through, (a,))
-    close(grad, np.exp(a.data) * weights)
-    assert a.grad is None
-    # The checkpoint still works with backward afterwards.
-    (pargrad.checkpoint(pargrad.exp, a) * weights).sum().backward()
-    close(a.grad, np.exp(a.data) * weights)
+def gated(x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
+    """A small segment of an input and two shared weights."""
+    return pargrad.sigmoid(x * scale + shift) * x
+
+
+def test_many_checkpoints_sharing_weights_give_the_plain_gradients() -> None:
+    rng = np.random.default_rng(7)
+    inputs = [rng.normal(size=4) for _ in range(12)]
+
+    def gradients(checkpointed: bool) -> list[np.ndarray]:
+        scale = pargrad.tensor([0.5, -1.0, 2.0, 0.25], requires_grad=True)
+        shift = pargrad.tensor([0.1, 0.0, -0.3, 1.0], requires_grad=True)
+        xs = [pargrad.tensor(v, requires_grad=True) for v in inputs]
+        if checkpointed:
+            outs = [pargrad.checkpoint(gated, x, scale, shift) for x in xs]
+            assert {o.grad_fn.name() for o in outs} == {"CheckpointBackward"}
+        else:
+            outs = [gated(x, scale, shift) for x in xs]
+        total = outs[0] * 1.0
+        for k, o in enumerate(outs[1:], start=2):
+            total = total + o * float(k)
+        (total * total).sum().backward()
+        return [grad_of(t) for t in (scale, shift, *xs)]
+
+    for plain, checkpointed in zip(gradients(False), gradients(True)):
+        np.testing.assert_allclose(checkpointed, plain, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.differs("pargrad.grad works through a checkpoint; PyTorch's reentrant "
+                     "checkpoint raises when torch.autograd.grad reaches it")
+def test_grad_through_a_checkpoint_returns_the_plain_gradient_and_sets_no_grad() -> None:
+    a = pargrad.tensor([[1.0, -0.5], [0.25, 2.0]], requires_grad=True)
+    b = pargrad.tensor([[0.3, 0.1], [-0.2, 0.4]], requires_grad=True)
+
+    def segment(p: Tensor, q: Tensor) -> Tensor:
+        return (p * pargrad.exp(q)).sum()
+
+    plain = pargrad.grad(segment(a, b), [a, b])
+    through = pargrad.grad(pargrad.checkpoint(segment, a, b), [a, b])
+    assert a.grad is None and b.grad is None
+    close(plain[0], np.exp(b.data))
+    close(plain[1], a.data * np.exp(b.data))
+    for p, c in zip(plain, through):
+        close(c, p.data)
+    pargrad.checkpoint(segment, a, b).backward()
+    close(a.grad, plain[0].data)
+    close(b.grad, plain[1].data)
 
 
 def test_backward_through_a_checkpoint_matches_the_plain_graph() -> None:
