@@ -13,6 +13,8 @@ Warns at the top and the bottom when the load average says the machine is busy.
 the times.
 ``--compare REV [--rounds N]`` runs the workloads on this tree and on git revision REV,
 interleaved, and prints REV's medians over this tree's (``benchmarks/compare.py``).
+``python -m benchmarks.tables FILE`` rewrites the tables of README.md and
+docs/performance.md from a run saved with ``--json FILE`` (``benchmarks/tables.py``).
 """
 
 from __future__ import annotations
@@ -76,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
                            | {facts["pargrad_default_workers"]}))
     s = settings(mode, workers, facts["cores"])
     started = time.perf_counter()
-    figures: dict[str, Any] = {"machine": facts, "settings": s.__dict__, "workloads": [],
+    figures: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                               "machine": facts, "settings": s.__dict__, "workloads": [],
                                "widths": {}, "skipped_workloads": {}}
     with contenders(workers, s.cores, use_peers=not args.no_peers) as made:
         facts.update(versions(made.peers))

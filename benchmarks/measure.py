@@ -14,6 +14,7 @@ it started; tracemalloc sees numpy's arrays, on every thread.
 from __future__ import annotations
 
 import gc
+import importlib
 import os
 import platform
 import statistics
@@ -21,6 +22,7 @@ import sys
 import time
 import tracemalloc
 from collections.abc import Callable, Iterable
+from importlib import metadata
 from typing import Any, NamedTuple
 
 try:
@@ -132,15 +134,45 @@ def summary(values: Iterable[float]) -> dict[str, Any]:
             "q1_s": quartiles[0], "q3_s": quartiles[2], "samples_s": data}
 
 
+def cpu_model() -> str | None:
+    """The processor's name as the system reports it (Linux: /proc/cpuinfo), or None."""
+    try:
+        with open("/proc/cpuinfo") as file:
+            for line in file:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def simd() -> dict[str, list[str]] | None:
+    """numpy's SIMD extensions as ``numpy.show_runtime()`` reports them: the baseline it
+    was built for, and the dispatched ones this CPU has (found) or lacks (not found)."""
+    for name in ("numpy._core._multiarray_umath", "numpy.core._multiarray_umath"):
+        try:  # what show_runtime reads (numpy 2, then numpy 1), without printing
+            umath = importlib.import_module(name)
+        except ImportError:
+            continue
+        features, dispatch = umath.__cpu_features__, umath.__cpu_dispatch__
+        return {"baseline": list(umath.__cpu_baseline__),
+                "found": [f for f in dispatch if features[f]],
+                "not_found": [f for f in dispatch if not features[f]]}
+    return None
+
+
 def machine_facts() -> dict[str, Any]:
-    """Cores, Python, numpy and its BLAS, and every thread setting that moves the
-    figures."""
+    """The CPU, cores, SIMD, Python, numpy and its BLAS, the fused kernels, and every
+    thread and allocator setting that moves the figures."""
     from threadpoolctl import threadpool_info
 
     from pargrad.engine.threaded import default_workers
+    from pargrad.ops import fused
     facts: dict[str, Any] = {
+        "cpu": cpu_model(),
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
         else os.cpu_count(),
+        "simd": simd(),
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
         "python": f"{platform.python_implementation()} {platform.python_version()}",
         "gil_enabled": getattr(sys, "_is_gil_enabled", lambda: True)(),
@@ -150,12 +182,22 @@ def machine_facts() -> dict[str, Any]:
                   ("internal_api", "version", "architecture", "threading_layer",
                    "num_threads")} for pool in threadpool_info()],
         "pargrad_default_workers": default_workers(),
+        "fused_kernels": fused.enabled(),
+        "numba": _version("numba"),
     }
     libc = platform.libc_ver()
     facts["libc"] = " ".join(libc) if libc[0] else None
     for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
-                 "OPENBLAS_THREAD_TIMEOUT", "PARGRAD_ENGINE", "MALLOC_TOP_PAD_",
+                 "OPENBLAS_THREAD_TIMEOUT", "PARGRAD_ENGINE", "PARGRAD_FUSED", "MALLOC_TOP_PAD_",
                  "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_ARENA_MAX",
                  "LD_PRELOAD"):
         facts[name] = os.environ.get(name)
     return facts
+
+
+def _version(package: str) -> str | None:
+    """The installed version of ``package``, or None."""
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None

@@ -106,12 +106,39 @@ def test_smoke_run_of_the_whole_suite(tmp_path: Path, block: tuple[str, ...]) ->
     assert "sync / async" in stdout
     assert "targets (ratios of medians in this run)" in stdout
     assert_explains_itself(stdout, figures)
+    assert_tables_render(tmp_path / "figures.json", tmp_path)
     has_matplotlib = importlib.util.find_spec("matplotlib") is not None
     assert plot.exists() == (has_matplotlib and not block)
     if block:
         assert "no plot: needs matplotlib" in stdout
         assert "skipped torch: not installed: needs torch (torch blocked)" in stdout
         assert "skipped hips: not installed: needs autograd (autograd blocked)" in stdout
+
+
+def assert_tables_render(run: Path, tmp_path: Path) -> None:
+    """``python -m benchmarks.tables`` makes every block of the docs from this run (copies
+    of them), says it is a smoke run, and leaves the text around the blocks as it was."""
+    from benchmarks import tables
+    copies = []
+    for doc in tables.DOCUMENTS:
+        copies.append(tmp_path / Path(doc).name)
+        copies[-1].write_text((ROOT / doc).read_text())
+    plot = ["--plot", str(tmp_path / "redrawn.png")] if importlib.util.find_spec(
+        "matplotlib") else []
+    assert tables.main([str(run), *plot, "--docs", *map(str, copies)]) == 0
+    assert tables.main([str(run), "--check", "--docs", *map(str, copies)]) == 0
+    assert not plot or (tmp_path / "redrawn.png").exists()
+    for doc, copy in zip(tables.DOCUMENTS, copies):
+        made, committed = copy.read_text(), (ROOT / doc).read_text()
+        assert outside_blocks(made) == outside_blocks(committed), doc
+        said = " ".join(made.split())  # the blocks' prose is wrapped
+        assert said.count("A smoke run: tiny graphs") == len(tables.MARKER.findall(made)) > 0
+
+
+def outside_blocks(text: str) -> str:
+    """``text`` with each generated block, markers and all, replaced by its name."""
+    from benchmarks import tables
+    return tables.BLOCK.sub(lambda m: f"[{m.group(1)}]", text)
 
 
 def test_random_dags_run_pytorch_op_for_op(tmp_path: Path) -> None:
@@ -194,7 +221,7 @@ def test_targets_that_cannot_hold_here_are_marked_expected(
     assert all('(docs/performance.md, "The targets")' in line for line in expected)
     unexpected = [line for line in lines if "FAILS" in line and "**expected**" not in line
                   and " (target " in line]
-    # The tiny chain's targets hold here now (docs/performance.md, seventh pass): a
+    # The tiny chain's targets hold on this machine (docs/performance.md, "The targets"): a
     # failure of one is news, not expected.
     # Neither wide-matmul configuration is expected to lose (limit_blas is reported apart
     # so that it hides no other); the chain's intra-op speed-up is, not its time against

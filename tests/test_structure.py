@@ -200,6 +200,53 @@ def test_the_module_table_matches_the_imports_and_they_point_down() -> None:
 
 
 
+def layers(text: str) -> dict[str, int]:
+    """The layer of each module in the diagram of ``text``: the first code block after the
+    heading ``## Layers``, where a line starting with a number starts a layer and every
+    ``path.py`` on it or on the lines after it (until the next number) is in that layer."""
+    section = text[text.index("\n## Layers\n"):]
+    block = section.split("```")[1]
+    found: dict[str, int] = {}
+    layer = None
+    for line in block.splitlines():
+        if start := re.match(r"\s*(\d+)\s", line):
+            layer = int(start[1])
+        for path in re.findall(r"[\w/]+\.py\b", line):
+            assert layer is not None, f"the diagram names {path} before its first layer"
+            module = _module_of(path)
+            assert module not in found, f"the diagram names {path} twice"
+            found[module] = layer
+    return found
+
+
+def upward(layer_of: Mapping[str, int], graph: Mapping[str, Mapping[str, bool]]) -> list[str]:
+    """The imports of ``graph`` that point up the layers: ``a -> b`` with b's layer above
+    a's (ALLOWED_UPWARD aside)."""
+    return [f"{module} (layer {layer_of[module]}) -> {target} (layer {layer_of[target]})"
+            for module, targets in graph.items() for target in targets
+            if layer_of[target] > layer_of[module] and (module, target) not in ALLOWED_UPWARD]
+
+
+def test_the_layer_check_sees_what_is_missing_and_what_points_up() -> None:
+    text = "\n## Layers\n\n```\n 2  top  a.py  b.py\n         more/c.py\n 1  ground  d.py\n```\n"
+    assert layers(text) == {"pargrad.a": 2, "pargrad.b": 2, "pargrad.more.c": 2, "pargrad.d": 1}
+    graph = {"pargrad.a": {"pargrad.b": False, "pargrad.d": False},
+             "pargrad.d": {"pargrad.a": True}}
+    assert upward(layers(text), graph) == ["pargrad.d (layer 1) -> pargrad.a (layer 2)"]
+
+
+def test_the_layer_diagram_names_every_module_and_imports_point_down() -> None:
+    graph = import_graph()
+    layer_of = layers(DESIGN.read_text())
+    assert sorted(layer_of) == sorted(graph), (
+        f"docs/design.md's layer diagram lacks {sorted(set(graph) - set(layer_of))} and "
+        f"names {sorted(set(layer_of) - set(graph))}, which do not exist")
+    wrong = upward(layer_of, graph)
+    assert not wrong, ("these imports point up docs/design.md's layer diagram: move the "
+                       "module, or have the higher one bind itself at import\n  "
+                       + "\n  ".join(wrong))
+
+
 LOCK_FACTORIES = {"Lock", "RLock", "Condition"}
 
 MADE_ELSEWHERE = {
