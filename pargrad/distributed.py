@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 import numpy as np
 
 import pargrad
+from pargrad.nn.module import Module
 from pargrad.tensor import Tensor
 
 if TYPE_CHECKING:
@@ -187,12 +188,20 @@ def mpiexec_path() -> str | None:
     return shutil.which("mpiexec")
 
 
-def broadcast_parameters(parameters: Iterable[Tensor], comm: Any = None,
+def _parameter_list(parameters: Iterable[Tensor] | Module) -> list[Tensor]:
+    """A Module's ``parameters()``, or the iterable's items, as a list."""
+    if isinstance(parameters, Module):
+        return list(parameters.parameters())
+    return list(parameters)
+
+
+def broadcast_parameters(parameters: Iterable[Tensor] | Module, comm: Any = None,
                          root: int = 0) -> None:
-    """Give every rank ``root``'s values of ``parameters`` (an in-place write under
-    ``no_grad``, so each parameter's version counter moves). Collective; blocks."""
+    """Give every rank ``root``'s values of ``parameters`` (Tensors, or a Module's
+    parameters); an in-place write under ``no_grad``, so each parameter's version
+    counter moves. Collective; blocks."""
     communicator = _communicator(comm)
-    for p in parameters:
+    for p in _parameter_list(parameters):
         values = np.ascontiguousarray(p.data).copy()
         communicator.broadcast(values, root)
         with pargrad.no_grad():
@@ -238,10 +247,12 @@ class _Bucket:
 
 
 class DataParallel:
-    """Average the gradients of ``parameters`` across the ranks of ``comm`` (default:
-    ``MPI.COMM_WORLD``; any ``Communicator`` works), overlapping the all-reduce with the
-    backward. Collective: every rank makes one, with the same parameters in the same
-    order; it broadcasts rank 0's values to all (as PyTorch's DDP does).
+    """Average the gradients of ``parameters`` (leaf Tensors that require grad, or a
+    ``pargrad.nn.Module``, whose ``parameters()`` it takes) across the ranks of ``comm``
+    (default: ``MPI.COMM_WORLD``; any ``Communicator`` works), overlapping the
+    all-reduce with the backward. Collective: every rank makes one, with the same
+    parameters in the same order; it broadcasts rank 0's values to all (as PyTorch's DDP
+    does).
 
     - Each parameter gets a post-accumulate-grad hook: when its gradient is final, the
       hook copies it into its bucket; a bucket whose parameters are all in starts a
@@ -272,10 +283,10 @@ class DataParallel:
         dp.backward(loss_fn(params, x[mine], y[mine]))   # .grad: the mean over ranks
     """
 
-    def __init__(self, parameters: Iterable[Tensor], comm: Any = None, *,
+    def __init__(self, parameters: Iterable[Tensor] | Module, comm: Any = None, *,
                  bucket_bytes: int = 1 << 20, average: bool = True, overlap: bool = True,
                  deterministic: bool = False, timeout: float | None = None) -> None:
-        self.parameters = list(parameters)
+        self.parameters = _parameter_list(parameters)
         for i, p in enumerate(self.parameters):
             if not isinstance(p, Tensor) or not p.requires_grad or not p.is_leaf:
                 raise TypeError(f"DataParallel: parameters[{i}] is not a leaf Tensor that "

@@ -25,7 +25,13 @@ import numpy as np
 import pytest
 
 import pargrad
-from pargrad.distributed import DataParallel, DistributedError, mpiexec_path, shard
+from pargrad.distributed import (
+    DataParallel,
+    DistributedError,
+    broadcast_parameters,
+    mpiexec_path,
+    shard,
+)
 from tests.helpers import run_python
 from tests.mpi_jobs import failing, model
 from tests.mpi_jobs.gradients import SCENARIOS
@@ -322,6 +328,27 @@ def test_a_bucket_holds_one_dtype() -> None:
         dp.backward((a * 2).sum() + (b * 3).sum() + (c * 4).sum())
     assert [p.grad.dtype for p in (a, b, c)] == [np.float32, np.float64, np.float32]  # type: ignore[union-attr]
     assert [p.grad.data.tolist() for p in (a, b, c)] == [[2.0] * 3, [3.0] * 3, [4.0] * 3]  # type: ignore[union-attr]
+
+
+def test_a_module_stands_for_its_parameters() -> None:
+    pargrad.random.seed(0)
+    net = pargrad.nn.Sequential(pargrad.nn.Linear(3, 4), pargrad.nn.Tanh(),
+                                pargrad.nn.Linear(4, 2))
+    x = pargrad.randn(5, 3)
+    expected = pargrad.grad(net(x).sum(), list(net.parameters()))
+    with DataParallel(net, OneRank(), bucket_bytes=64) as dp:
+        assert [id(p) for p in dp.parameters] == [id(p) for p in net.parameters()]
+        dp.backward(net(x).sum())
+    for p, g in zip(net.parameters(), expected):
+        assert p.grad is not None
+        np.testing.assert_array_equal(p.grad.data, g.data)
+
+    class Root(OneRank):
+        def broadcast(self, buffer: np.ndarray, root: int) -> None:
+            buffer[...] = root + 1  # "root's values"
+
+    broadcast_parameters(net, Root(), root=2)
+    assert all(np.all(p.data == 3.0) for p in net.parameters())
 
 
 def test_the_core_never_imports_mpi4py() -> None:
