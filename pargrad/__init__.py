@@ -9,6 +9,8 @@ tensor([5., 7.], dtype=float64)
 """
 
 from pargrad import fork as _fork  # noqa: F401  (registers the os.register_at_fork handlers)
+from pargrad import nn as nn  # pargrad.nn: modules, layers and losses, as torch.nn
+from pargrad import optim as optim  # pargrad.optim: optimizers and schedulers, as torch.optim
 from pargrad import random, viz
 from pargrad.anomaly import (
     detect_anomaly,

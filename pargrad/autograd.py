@@ -7,14 +7,16 @@ finished the whole graph, so a backward that raises leaves every ``.grad`` as it
 The one exception, a leaf with post-accumulate-grad hooks, is committed as soon as its
 gradient is final (so that its hooks can run during the backward) and restored if the
 backward then fails, unless another backward has committed into that leaf meanwhile
-(then it stays: ``_EarlyCommits.undo``).
+(then it stays: ``_EarlyCommits.undo``). Such a hook may also take part in that
+undo: ``queue_undo(fn)`` runs ``fn`` if the backward fails (an optimizer's updates
+during backward, pargrad/optim/in_backward.py).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -28,6 +30,9 @@ from pargrad.interrupts import HELD, NODE, deferred_interrupts, gate_installed
 from pargrad.ops import copy
 from pargrad.tensor import Tensor, bind_backward, grad_lock
 from pargrad.versions import counter_of
+
+if TYPE_CHECKING:
+    from pargrad.hooks import NodeHooks
 
 
 def backward(
@@ -310,14 +315,17 @@ class _EarlyCommits:
     soon as its gradient is final, running them in PyTorch's order: the node's pre-hooks
     (which may replace the gradient), the commit, the post-accumulate-grad hooks, the
     node's post-hooks (``hook((), (grad,))``). ``undo`` restores those ``.grad``s if the
-    backward fails. Called on engine threads, concurrently for different leaves.
+    backward fails, after calling what the hooks queued with ``queue_undo``. Called on
+    engine threads, concurrently for different leaves.
     """
 
     def __init__(self, create_graph: bool) -> None:
         self.create_graph = create_graph
-        # Guards _done: (leaf, its .grad before, its .grad after) per early commit.
+        # Guards _done: (leaf, its .grad before, its .grad after) per early commit; and
+        # _undo: the functions its hooks queued with queue_undo, in order.
         self._lock = threading.Lock()
         self._done: list[tuple[Tensor, Tensor | None, Tensor | None]] = []
+        self._undo: list[Callable[[], object]] = []
 
     def __call__(self, edge: Edge, grad: Grad) -> bool:
         node = edge[0]
@@ -326,6 +334,13 @@ class _EarlyCommits:
         hooks = node._hooks
         if hooks is None or not (hooks.post_accumulate or hooks.pre or hooks.post):
             return False
+        enclosing, _running.commits = _running.commits, self  # for queue_undo
+        try:
+            return self._commit(node, hooks, grad)
+        finally:
+            _running.commits = enclosing
+
+    def _commit(self, node: AccumulateGrad, hooks: NodeHooks, grad: Grad) -> bool:
         if hooks.pre:
             (grad,) = node._run_pre_hooks(hooks, (grad,))
         leaf = node.variable
@@ -345,17 +360,100 @@ class _EarlyCommits:
                 node._call(hook, "hook", (), (given,))
         return True
 
+    def queue_undo(self, fn: Callable[[], object]) -> None:
+        """Have ``undo`` call ``fn()`` (``queue_undo``'s work)."""
+        with self._lock:
+            self._undo.append(fn)
+
     def undo(self) -> None:
-        """Restore the ``.grad`` of each leaf committed early, unless another backward (or
-        a ``.grad`` assignment) has replaced it since: then the early commit stays in it,
-        mixed with the other contribution. Subtracting it back out instead would not
-        restore the value exactly in floating point (nor undo a ``.grad`` a hook set), so
-        a failed or cancelled backward is all-or-nothing only for leaves nobody else
-        committed to meanwhile (docs/async.md)."""
-        with grad_lock, self._lock, deferred_interrupts():  # all restored, or none
-            for leaf, before, after in reversed(self._done):
-                if leaf._grad is after:  # else another backward has added to it since
-                    leaf._grad = before
+        """Call the functions queued by ``queue_undo``, newest first, then restore the
+        ``.grad`` of each leaf committed early, unless another backward (or a ``.grad``
+        assignment) has replaced it since: then the early commit stays in it, mixed with
+        the other contribution. Subtracting it back out instead would not restore the
+        value exactly in floating point (nor undo a ``.grad`` a hook set), so a failed or
+        cancelled backward is all-or-nothing only for leaves nobody else committed to
+        meanwhile (docs/async.md).
+
+        Every queued function is called even if one raises; the first exception is
+        raised once the ``.grad``s are restored. Called once no node or hook of the
+        backward runs any more."""
+        with deferred_interrupts():  # all undone, or none
+            with self._lock:
+                queued, self._undo = self._undo, []
+            failure = _call_all(reversed(queued))
+            with grad_lock, self._lock:
+                for leaf, before, after in reversed(self._done):
+                    if leaf._grad is after:  # else another backward has added to it since
+                        leaf._grad = before
+        if failure is not None:
+            raise failure
+
+
+def _call_all(functions: Iterable[Callable[[], object]]) -> BaseException | None:
+    """Call each of ``functions``; return the first exception one raised, if any."""
+    failure: BaseException | None = None
+    for fn in functions:
+        try:
+            fn()
+        except BaseException as exc:  # the rest still run: each undoes its own part
+            failure = exc if failure is None else failure
+    return failure
+
+
+class _Running(threading.local):
+    """Per thread, so no lock: ``commits``, the ``_EarlyCommits`` whose hooks this thread
+    runs now (None outside them; a backward nested in a hook puts the outer one back)."""
+
+    commits: _EarlyCommits | None = None
+
+
+_running = _Running()
+
+
+def queue_undo(fn: Callable[[], object]) -> None:
+    """Call ``fn()`` if the backward whose post-accumulate-grad hook is running fails.
+
+    For a hook whose effects must not outlive a failed (or cancelled) backward: call
+    ``queue_undo`` with the function that puts back what the hook changes, *before*
+    changing it. If the backward then fails (a later node or hook raises, a callback
+    raises, the commit is interrupted, ``future.cancel()``), the queued functions run,
+    newest first, once no node or hook of it runs any more, on the thread that finishes
+    the backward; then the ``.grad``s committed early are restored (so a function that
+    puts back the ``.grad`` its hook cleared lets that restore see it). If the backward
+    succeeds they are dropped, unrun. A function should not raise: if one does, the
+    others still run and its exception is raised from the backward call, with the
+    backward's own error as its context. SIGINT waits until they have all run.
+
+    Call it from a post-accumulate-grad hook (or a hook of a leaf's
+    ``AccumulateGrad``) during ``backward`` / ``backward_async``; raises RuntimeError
+    elsewhere, TypeError if ``fn`` is not callable. Thread-safe.
+
+    >>> import pargrad
+    >>> from pargrad.autograd import queue_undo
+    >>> w = pargrad.tensor([1.0, 2.0], requires_grad=True)
+    >>> log = []
+    >>> def hook(t):
+    ...     queue_undo(lambda: log.append("undone"))
+    ...     log.append("changed")
+    >>> _ = w.register_post_accumulate_grad_hook(hook)
+    >>> (w * 2).sum().backward()                 # succeeds: nothing undone
+    >>> def fail():
+    ...     raise ValueError("late failure")
+    >>> _ = w.register_hook(lambda g: pargrad.queue_callback(fail))
+    >>> try:
+    ...     (w * 2).sum().backward()             # fails after the hook ran
+    ... except ValueError:
+    ...     pass
+    >>> log
+    ['changed', 'changed', 'undone']
+    """
+    if not callable(fn):
+        raise TypeError(f"queue_undo takes a callable, got {type(fn).__name__}")
+    commits = _running.commits
+    if commits is None:
+        raise RuntimeError("queue_undo can only be called from a post-accumulate-grad hook "
+                           "(or a hook of a leaf's AccumulateGrad) during backward")
+    commits.queue_undo(fn)
 
 
 def _as_tensor(grad: Grad, like: Tensor) -> Tensor:

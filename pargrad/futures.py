@@ -247,14 +247,19 @@ class BackwardFuture(Future[T]):
         derived: BackwardFuture[U] = BackwardFuture(self._work)
 
         def chain(source: Future[T]) -> None:
-            if source.cancelled():
-                undo()
-                derived._set_cancelled()
-                return
-            error = source.exception()
-            if error is not None:
-                undo()
-                derived.set_exception(error)
+            cancelled = source.cancelled()
+            error = None if cancelled else source.exception()
+            if cancelled or error is not None:
+                try:
+                    undo()
+                except BaseException as exc:  # (autograd.queue_undo) the future carries it,
+                    exc.__context__ = exc.__context__ or error  # as a synchronous call would
+                    derived.set_exception(exc)
+                    return
+                if cancelled:
+                    derived._set_cancelled()
+                else:
+                    derived.set_exception(error)
                 return
             try:
                 value = fn(source.result())

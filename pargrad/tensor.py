@@ -352,8 +352,9 @@ class Tensor:
         while the rest of the backward may still run, on the thread that delivered the
         last contribution. It may read ``.grad`` and update the tensor's data in place
         (under ``no_grad``); it must not start a backward through the same graph. If the
-        backward then fails, ``.grad`` is restored, but what the hook did is not undone.
-        Returns a handle with ``remove()``.
+        backward then fails, ``.grad`` is restored, but what the hook did is not undone,
+        unless it queued its own undo (``pargrad.autograd.queue_undo``). Returns a
+        handle with ``remove()``.
         """
         self._check_requires_grad("register a post-accumulate-grad hook on")
         if self.grad_fn is not None:
