@@ -463,12 +463,27 @@ def test_random_sigint_two_callers_no_hang_no_partial_commit(interrupts: int) ->
     # A SIGINT that lands in a garbage-collector callback (hypothesis installs one once
     # it is imported, as in the full suite) is reported as unraisable, not raised: the
     # stress is about pargrad's code, so it runs without other libraries' callbacks.
+    # One that lands in a weakref callback or a __del__ (any object's, freed at that
+    # bytecode) is likewise reported by Python as unraisable: counted here, not failed;
+    # any other unraisable exception still fails the test.
     callbacks = gc.callbacks[:]
     gc.callbacks.clear()
+    swallowed: list[BaseException] = []
+    outer_hook = sys.unraisablehook
+
+    def unraisable(info: Any) -> None:
+        if isinstance(info.exc_value, KeyboardInterrupt):
+            swallowed.append(info.exc_value)
+        else:
+            outer_hook(info)
+
+    sys.unraisablehook = unraisable
     try:
         tally = run(interrupts, watchdog=False)  # pytest-timeout bounds it here
     finally:
         gc.callbacks[:] = callbacks
+        sys.unraisablehook = outer_hook
+    assert len(swallowed) < interrupts // 10, swallowed  # rare, not the rule
     assert tally.interrupts == interrupts
     assert tally.partial == 0 and tally.wrong == 0 and not tally.hangs, tally
     assert tally.raised_in_backward > 0 and tally.other_calls > 0, tally
