@@ -9,7 +9,8 @@ gradient is final (so that its hooks can run during the backward) and restored i
 backward then fails, unless another backward has committed into that leaf meanwhile
 (then it stays: ``_EarlyCommits.undo``). Such a hook may also take part in that
 undo: ``queue_undo(fn)`` runs ``fn`` if the backward fails (an optimizer's updates
-during backward, pargrad/optim/in_backward.py).
+during backward, pargrad/optim/in_backward.py). A commit that raises is undone as a
+failed backward is, by ``backward`` and ``backward_async`` alike.
 """
 
 from __future__ import annotations
@@ -259,6 +260,7 @@ class _BackwardCall(_Call):
                         tensor._grad = value
                     else:  # an existing .grad, summed into in place
                         _add_in_place(tensor._grad, addend)  # type: ignore[arg-type]
+        self.early.settle()  # committed: nothing of it will be undone
 
 
 class _GradCall(_Call):
@@ -315,8 +317,9 @@ class _EarlyCommits:
     soon as its gradient is final, running them in PyTorch's order: the node's pre-hooks
     (which may replace the gradient), the commit, the post-accumulate-grad hooks, the
     node's post-hooks (``hook((), (grad,))``). ``undo`` restores those ``.grad``s if the
-    backward fails, after calling what the hooks queued with ``queue_undo``. Called on
-    engine threads, concurrently for different leaves.
+    backward fails, after calling what the hooks queued with ``queue_undo``; ``settle``
+    drops those once the backward has committed; ``pending`` tells which has happened
+    (``undo_may_run``). Called on engine threads, concurrently for different leaves.
     """
 
     def __init__(self, create_graph: bool) -> None:
@@ -326,6 +329,12 @@ class _EarlyCommits:
         self._lock = threading.Lock()
         self._done: list[tuple[Tensor, Tensor | None, Tensor | None]] = []
         self._undo: list[Callable[[], object]] = []
+        # False until the backward's outcome is final: committed (the queued functions
+        # are dropped, unrun) or undone (they have run). Needs no lock: written once, by
+        # the thread that finishes the backward (``settle``, or the end of ``undo``),
+        # before it returns from ``backward`` or resolves the future, so whatever is
+        # started after that sees it; read by ``pending``.
+        self._settled = False
 
     def __call__(self, edge: Edge, grad: Grad) -> bool:
         node = edge[0]
@@ -365,6 +374,17 @@ class _EarlyCommits:
         with self._lock:
             self._undo.append(fn)
 
+    def pending(self) -> bool:
+        """Whether the functions queued by ``queue_undo`` may still run: the backward
+        has neither committed nor been undone yet. Lock-free (see ``_settled``)."""
+        return not self._settled
+
+    def settle(self) -> None:
+        """The backward has committed: the queued functions will never run."""
+        with self._lock:
+            self._undo = []
+        self._settled = True
+
     def undo(self) -> None:
         """Call the functions queued by ``queue_undo``, newest first, then restore the
         ``.grad`` of each leaf committed early, unless another backward (or a ``.grad``
@@ -385,6 +405,7 @@ class _EarlyCommits:
                 for leaf, before, after in reversed(self._done):
                     if leaf._grad is after:  # else another backward has added to it since
                         leaf._grad = before
+            self._settled = True
         if failure is not None:
             raise failure
 
@@ -416,13 +437,18 @@ def queue_undo(fn: Callable[[], object]) -> None:
     For a hook whose effects must not outlive a failed (or cancelled) backward: call
     ``queue_undo`` with the function that puts back what the hook changes, *before*
     changing it. If the backward then fails (a later node or hook raises, a callback
-    raises, the commit is interrupted, ``future.cancel()``), the queued functions run,
-    newest first, once no node or hook of it runs any more, on the thread that finishes
-    the backward; then the ``.grad``s committed early are restored (so a function that
-    puts back the ``.grad`` its hook cleared lets that restore see it). If the backward
-    succeeds they are dropped, unrun. A function should not raise: if one does, the
-    others still run and its exception is raised from the backward call, with the
-    backward's own error as its context. SIGINT waits until they have all run.
+    raises, the commit raises or is interrupted, ``future.cancel()``), the queued
+    functions run, newest first, once no node or hook of it runs any more, on the thread
+    that finishes the backward; then the ``.grad``s committed early are restored (so a
+    function that puts back the ``.grad`` its hook cleared lets that restore see it).
+    If the backward succeeds they are dropped, unrun. A function should not raise: if
+    one does, the others still run and its exception is raised from the backward call,
+    with the backward's own error as its context. After ``future.cancel()`` (which
+    still returns True) the future then resolves with that exception, its context a
+    ``concurrent.futures.CancelledError``, instead of being cancelled: ``cancelled()``
+    is False. SIGINT waits until they have all run.
+
+    ``undo_may_run()`` tells later whether ``fn`` may still run.
 
     Call it from a post-accumulate-grad hook (or a hook of a leaf's
     ``AccumulateGrad``) during ``backward`` / ``backward_async``; raises RuntimeError
@@ -449,11 +475,38 @@ def queue_undo(fn: Callable[[], object]) -> None:
     """
     if not callable(fn):
         raise TypeError(f"queue_undo takes a callable, got {type(fn).__name__}")
+    _running_commits("queue_undo").queue_undo(fn)
+
+
+def undo_may_run() -> Callable[[], bool]:
+    """A function that tells whether what the hooks of the running backward queue with
+    ``queue_undo`` may still run: True until that backward has committed (the queued
+    functions are dropped) or has been undone (they have run). Lock-free.
+
+    For a hook that keeps what its undo puts back from one backward to the next: before
+    a later backward overwrites it, ask the function the earlier backward gave
+    (``Optimizer.step_in_backward`` does). Call it where ``queue_undo`` may be called;
+    raises RuntimeError elsewhere.
+
+    >>> import pargrad
+    >>> from pargrad.autograd import undo_may_run
+    >>> w = pargrad.tensor([1.0], requires_grad=True)
+    >>> asked = []
+    >>> _ = w.register_post_accumulate_grad_hook(lambda t: asked.append(undo_may_run()))
+    >>> (w * 2).sum().backward()
+    >>> asked[0]()                   # inside the hook it said True; committed now
+    False
+    """
+    return _running_commits("undo_may_run").pending
+
+
+def _running_commits(caller: str) -> _EarlyCommits:
+    """The ``_EarlyCommits`` whose hooks this thread runs; RuntimeError if none."""
     commits = _running.commits
     if commits is None:
-        raise RuntimeError("queue_undo can only be called from a post-accumulate-grad hook "
-                           "(or a hook of a leaf's AccumulateGrad) during backward")
-    commits.queue_undo(fn)
+        raise RuntimeError(f"{caller} can only be called from a post-accumulate-grad hook "
+                           f"(or a hook of a leaf's AccumulateGrad) during backward")
+    return commits
 
 
 def _as_tensor(grad: Grad, like: Tensor) -> Tensor:

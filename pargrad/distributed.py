@@ -246,6 +246,21 @@ class _Bucket:
     finished: float = 0.0
 
 
+class _GradReady:
+    """DataParallel's post-accumulate-grad hook of one parameter."""
+
+    __slots__ = ("index", "owner")
+    # No other hook may take this gradient too (pargrad/hooks.py): an optimizer's update
+    # during backward would use it before it is averaged.
+    takes_final_grad = "DataParallel averages it across ranks after the backward"
+
+    def __init__(self, owner: DataParallel, index: int) -> None:
+        self.owner, self.index = owner, index
+
+    def __call__(self, leaf: Tensor) -> None:
+        self.owner._ready(self.index, leaf)
+
+
 class DataParallel:
     """Average the gradients of ``parameters`` (leaf Tensors that require grad, or a
     ``pargrad.nn.Module``, whose ``parameters()`` it takes) across the ranks of ``comm``
@@ -272,6 +287,11 @@ class DataParallel:
       ``ThreadedEngine(deterministic=True)`` for a bitwise reproducible local backward.
     - ``timeout``: seconds ``synchronize()`` waits for the other ranks before it aborts
       the job (``Communicator.abort``); None waits forever.
+    - It does not combine with an optimizer's updates during backward
+      (``Optimizer.step_in_backward``), which would use each rank's own gradient before
+      the average: making a DataParallel over a parameter such an optimizer updates
+      raises RuntimeError (and so does ``step_in_backward()`` over a parameter a
+      DataParallel averages). Call the optimizer's ``step()`` after ``backward``.
 
     Thread-safety: the hooks may run on any threads at once. ``synchronize`` and
     ``backward`` are called by one thread per rank, between backward calls.
@@ -306,9 +326,13 @@ class DataParallel:
         self._rebuilt = False  # the buckets follow rank 0's readiness order
         self._statistics: SyncStatistics | None = None
         self._make_buckets(list(reversed(range(len(self.parameters)))))
-        self._handles: list[RemovableHandle] = [
-            p.register_post_accumulate_grad_hook(self._hook(i))
-            for i, p in enumerate(self.parameters)]
+        self._handles: list[RemovableHandle] = []
+        try:  # raises if an optimizer updates a parameter during backward (then: none)
+            for i, p in enumerate(self.parameters):
+                self._handles.append(p.register_post_accumulate_grad_hook(_GradReady(self, i)))
+        except BaseException:
+            self.remove()
+            raise
 
     # ----- the step -----
     def backward(self, tensors: Tensor | Sequence[Tensor], grad_tensors: Any = None, *,
@@ -438,26 +462,26 @@ class DataParallel:
             self._make_buckets(full.tolist())
             self._rebuilt = True
 
-    def _hook(self, index: int) -> Any:
-        def ready(leaf: Tensor) -> None:  # post-accumulate-grad hook, on any thread
-            grad = leaf.grad
-            assert grad is not None
-            with self._lock:
-                bucket, offset = self._where[index]
-                if self._filled[index] and bucket.request is not None:
-                    raise RuntimeError(
-                        "DataParallel: a parameter's gradient became final twice before "
-                        "synchronize(); call synchronize() (or DataParallel.backward) "
-                        "after every backward")
-                bucket.buffer[offset:offset + leaf.size] = grad.data.reshape(-1)
-                if not self._filled[index]:
-                    self._filled[index] = True
-                    self._ready_order.append(index)
-                    bucket.missing -= 1
-                if self.overlap:
-                    self._start_ready()
-                    self._test_started()
-        return ready
+    def _ready(self, index: int, leaf: Tensor) -> None:
+        """Parameter ``index``'s gradient is final (its hook, ``_GradReady``, on any
+        thread): copy it into its bucket, and start the buckets that are complete."""
+        grad = leaf.grad
+        assert grad is not None
+        with self._lock:
+            bucket, offset = self._where[index]
+            if self._filled[index] and bucket.request is not None:
+                raise RuntimeError(
+                    "DataParallel: a parameter's gradient became final twice before "
+                    "synchronize(); call synchronize() (or DataParallel.backward) "
+                    "after every backward")
+            bucket.buffer[offset:offset + leaf.size] = grad.data.reshape(-1)
+            if not self._filled[index]:
+                self._filled[index] = True
+                self._ready_order.append(index)
+                bucket.missing -= 1
+            if self.overlap:
+                self._start_ready()
+                self._test_started()
 
     def _start_ready(self) -> None:
         """Start the complete buckets that are next in index order. Holds ``_lock``."""

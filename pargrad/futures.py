@@ -12,11 +12,12 @@ Guarantees:
 - ``cancel()`` stops a backward in flight: its nodes not yet started are skipped. It
   returns once the nodes already running have finished, with the future cancelled and
   no ``.grad`` changed (but see docs/async.md on a leaf another backward committed to
-  meanwhile). While it waits it helps as ``result()`` does (it takes the skipped nodes
-  off the queue), so it cannot deadlock when it holds the only worker. (A standard
-  Future refuses to cancel a call that is running; a backward can always be stopped
-  between two nodes, so this one can be cancelled until it resolves. The future stays
-  PENDING until then; ``running()`` says whether the backward is still in flight.)
+  meanwhile, and ``cancel()`` on an undo that raises). While it waits it helps as
+  ``result()`` does (it takes the skipped nodes off the queue), so it cannot deadlock
+  when it holds the only worker. (A standard Future refuses to cancel a call that is
+  running; a backward can always be stopped between two nodes, so this one can be
+  cancelled until it resolves. The future stays PENDING until then; ``running()`` says
+  whether the backward is still in flight.)
 - ``result()``, ``exception()`` and ``cancel()`` may help: on a ThreadedEngine the
   waiting thread runs ready nodes of its device until the backward is over, so a
   backward finishes even when every worker is busy (or waits itself).
@@ -48,7 +49,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future, wait
+from concurrent.futures import CancelledError, Future, wait
 from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
@@ -123,6 +124,13 @@ class BackwardFuture(Future[T]):
         a node or hook of this backward; meanwhile it helps as ``result()`` does, so the
         skipped nodes of the backward are taken off the queue even when the calling
         thread is the only worker. No ``.grad`` changes; the engine stays usable.
+
+        One case returns True and yet leaves the future not cancelled: if a function a
+        hook queued with ``pargrad.autograd.queue_undo`` raises while the cancelled
+        backward is undone, the future resolves with that exception (its
+        ``__context__`` a ``concurrent.futures.CancelledError``, unless it had a context
+        of its own), so ``cancelled()`` is False and ``result()`` raises it: the undo
+        failed, and that must not pass unseen.
         """
         work = self._work
         if work is None or self.done():
@@ -242,31 +250,36 @@ class BackwardFuture(Future[T]):
 
     def _then(self, fn: Callable[[T], U], undo: Callable[[], None]) -> BackwardFuture[U]:
         """A future of ``fn(result)``, computed on the thread that resolves this one;
-        ``undo()`` runs instead when this one fails or is cancelled. Cancelling the new
-        future cancels this one; they share the backward."""
+        ``undo()`` runs instead when this one fails or is cancelled, and after ``fn`` if
+        ``fn`` raises (so a failed commit is undone as ``autograd._run`` undoes it).
+        Cancelling the new future cancels this one; they share the backward."""
         derived: BackwardFuture[U] = BackwardFuture(self._work)
 
         def chain(source: Future[T]) -> None:
             cancelled = source.cancelled()
             error = None if cancelled else source.exception()
-            if cancelled or error is not None:
+            if not cancelled and error is None:
                 try:
-                    undo()
-                except BaseException as exc:  # (autograd.queue_undo) the future carries it,
-                    exc.__context__ = exc.__context__ or error  # as a synchronous call would
-                    derived.set_exception(exc)
-                    return
-                if cancelled:
-                    derived._set_cancelled()
+                    value = fn(source.result())
+                except BaseException as exc:  # a callback must not raise: the future
+                    error = exc               # carries it, once undone below
                 else:
-                    derived.set_exception(error)
-                return
+                    derived.set_result(value)
+                    return
             try:
-                value = fn(source.result())
-            except BaseException as exc:  # a callback must not raise: the future carries it
+                undo()
+            except BaseException as exc:  # (autograd.queue_undo) the future carries it,
+                # chained to what it undid, as a synchronous call would chain it. A
+                # cancel() that returned True then resolves with this error instead:
+                # its context says that it was cancelled.
+                exc.__context__ = exc.__context__ or error or CancelledError(
+                    "the backward was cancelled, then its undo raised")
                 derived.set_exception(exc)
+                return
+            if cancelled:
+                derived._set_cancelled()
             else:
-                derived.set_result(value)
+                derived.set_exception(error)
 
         self.add_done_callback(chain)
         return derived

@@ -13,6 +13,14 @@ For one node, they fire in this order: tensor hooks (output by output, each in
 registration order), then the gradient is kept for ``retain_grad`` / ``pargrad.grad``,
 then pre-hooks, the node's backward, and post-hooks.
 
+A post-accumulate-grad hook that takes its leaf's final gradient for itself (it uses
+it during the backward, or replaces it after) says so with an attribute
+``takes_final_grad``: a sentence saying what it does with it. Two such hooks on one
+leaf would each see the gradient before the other is done with it (an optimizer's
+update during backward, ``Optimizer.step_in_backward``, would use the local gradient
+that ``DataParallel`` averages across ranks only after the backward), so registering a
+second raises RuntimeError naming both, and registers nothing.
+
 Thread-safety: registering and removing hooks is thread-safe, even while a backward
 runs: writers replace a field's tuple (or dict) under ``_lock``, and a backward reads each
 field once, so it sees the hooks as they were at some moment, never a half-written list.
@@ -57,6 +65,8 @@ class NodeHooks:
         if not callable(hook):
             raise TypeError(f"a hook must be callable, got {type(hook).__name__}")
         with _lock:
+            if field == "post_accumulate":
+                _check_one_taker(self.post_accumulate, hook)
             hid = next(_ids)
             if field == "tensor":
                 tensor = dict(self.tensor)
@@ -82,6 +92,21 @@ class NodeHooks:
                                if (kept := tuple(h for h in hooks if h[0] != hid))}
             else:
                 setattr(self, field, tuple(h for h in getattr(self, field) if h[0] != hid))
+
+
+def _check_one_taker(registered: tuple[tuple[int, Hook], ...], hook: Hook) -> None:
+    """Raise RuntimeError if ``hook`` and one of the ``registered`` post-accumulate-grad
+    hooks both take the leaf's final gradient (module docstring)."""
+    mine = getattr(hook, "takes_final_grad", None)
+    if mine is None:
+        return
+    for _, other in registered:
+        theirs = getattr(other, "takes_final_grad", None)
+        if theirs is not None:
+            raise RuntimeError(
+                f"two post-accumulate-grad hooks on one tensor would each act on its final "
+                f"gradient, and they do not combine: {theirs}, and {mine}. Remove one first "
+                f"(its handle's remove())")
 
 
 class RemovableHandle:

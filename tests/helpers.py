@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -48,6 +48,23 @@ def blocking_function(wait: float) -> Any:
             return g
 
     return Block
+
+
+def release_once_cancelled(future: pargrad.BackwardFuture[Any], block: Any,
+                           wait: float = 30) -> None:
+    """Set ``block.release`` (a ``blocking_function`` class's) from a helper thread once
+    ``future``'s backward is cancelled, so that a ``cancel()`` that waits for the
+    blocked node is released, and surely cancels: the node runs until it is."""
+    task = cast(Any, future._work).task
+    assert task is not None
+
+    def release() -> None:
+        deadline = time.monotonic() + wait
+        while not task.cancelled and time.monotonic() < deadline:
+            time.sleep(0.001)  # GraphTask.cancelled is a flag: poll it
+        block.release.set()
+
+    threading.Thread(target=release, daemon=True).start()
 
 
 class Boom(pargrad.Function):

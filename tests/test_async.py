@@ -13,7 +13,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,7 +21,7 @@ import pytest
 import pargrad
 from pargrad import Tensor
 from tests.conftest import ENGINES
-from tests.helpers import Boom, blocking_function
+from tests.helpers import Boom, blocking_function, release_once_cancelled
 
 THREADED = [name for name in ENGINES if name.startswith("threaded")]
 WAIT = 30  # seconds: a generous bound on anything these tests wait for
@@ -58,22 +58,6 @@ def block() -> Iterator[type[Block]]:
     Block.release.clear()
     yield Block
     Block.release.set()  # whatever the test did, nothing stays blocked
-
-
-def release_once_cancelled(future: pargrad.BackwardFuture[Any], block: type[Block]) -> None:
-    """Release the blocked node from a helper thread once ``future``'s backward is
-    cancelled (so a ``cancel()`` that waits for the node is released, and one that does
-    not wait is not raced)."""
-    task = cast(Any, future._work).task
-    assert task is not None
-
-    def release() -> None:
-        deadline = time.monotonic() + WAIT
-        while not task.cancelled and time.monotonic() < deadline:
-            time.sleep(0.001)  # GraphTask.cancelled is a flag: poll it
-        block.release.set()
-
-    threading.Thread(target=release, daemon=True).start()
 
 
 class Count(pargrad.Function):

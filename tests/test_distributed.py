@@ -330,6 +330,33 @@ def test_a_bucket_holds_one_dtype() -> None:
     assert [p.grad.data.tolist() for p in (a, b, c)] == [[2.0] * 3, [3.0] * 3, [4.0] * 3]  # type: ignore[union-attr]
 
 
+def test_updates_during_backward_and_data_parallel_do_not_combine() -> None:
+    """Both take the final gradient in a post-accumulate-grad hook: whichever comes
+    second on a parameter raises, registering nothing (an update during backward would
+    use this rank's own gradient, before the average)."""
+    params = model.parameters(np.float64)
+    opt = pargrad.optim.SGD(params, lr=0.1)
+    averages = "DataParallel averages it across ranks after the backward"
+    updates = r"SGD\.step_in_backward\(\) updates the parameter with it as soon as it is final"
+    with DataParallel(params, OneRank(), bucket_bytes=1) as dp:
+        with pytest.raises(RuntimeError, match=f"do not combine: {averages}, and {updates}"):
+            opt.step_in_backward()
+        values = [p.data.copy() for p in params]
+        dp.backward(model.loss(params, *model.batch(np.float64)))
+        assert all(np.array_equal(p.data, v) for p, v in zip(params, values))  # no update
+        for p, want in zip(params, model.reference(np.float64, 1)):
+            np.testing.assert_allclose(p.grad.data, want, rtol=1e-12)  # type: ignore[union-attr]
+        opt.step()  # how they combine: step after the averaged backward
+        opt.zero_grad()
+    with opt.step_in_backward():
+        with pytest.raises(RuntimeError, match=f"do not combine: {updates}, and {averages}"):
+            DataParallel(params, OneRank(), bucket_bytes=1)
+        values = [p.data.copy() for p in params]
+        model.loss(params, *model.batch(np.float64)).backward()  # no DataParallel hook
+        assert all(p.grad is None for p in params)                # left: updated, freed
+        assert not any(np.array_equal(p.data, v) for p, v in zip(params, values))
+
+
 def test_a_module_stands_for_its_parameters() -> None:
     pargrad.random.seed(0)
     net = pargrad.nn.Sequential(pargrad.nn.Linear(3, 4), pargrad.nn.Tanh(),

@@ -66,6 +66,32 @@ def test_the_recursive_schedules_compose_with_other_changes() -> None:
     opt.param_groups[0]["lr"] = 0.3  # changed by hand (a warm-up, another scheduler)
     scheduler.step()
     assert scheduler.get_last_lr() == [0.15, 0.05]
+    scheduler.step()  # epoch 3: no stair begins, the rate set by hand stays halved
+    assert scheduler.get_last_lr() == [0.15, 0.05]
+
+
+def test_cosine_annealing_composes_with_other_changes() -> None:
+    # T_max = 4 from 1.0 (and 0.5): each step scales the distance to eta_min = 0 by
+    # (1 + cos(e π/4)) / (1 + cos((e - 1) π/4)), whatever the rate was set to.
+    c = math.cos(math.pi / 4)
+    opt = two_groups(1.0, 0.5)
+    scheduler = CosineAnnealingLR(opt, T_max=4)
+    scheduler.step()
+    assert scheduler.get_last_lr() == pytest.approx([(1 + c) / 2, (1 + c) / 4], rel=1e-15)
+    opt.param_groups[0]["lr"] = 0.5  # changed by hand
+    scheduler.step()  # epoch 2: cos(π/2) = 0
+    assert scheduler.get_last_lr() == pytest.approx([0.5 / (1 + c), 0.25], rel=1e-14)
+    scheduler.step()
+    scheduler.step()  # epoch 4: the minimum, 1 + cos(π) = 0
+    assert scheduler.get_last_lr() == pytest.approx([0.0, 0.0], abs=1e-16)
+    opt.param_groups[0]["lr"] = 0.1  # by hand, at the minimum
+    scheduler.step()  # epoch 5: up by (1 - cos(π/4)) / 2 of (initial_lr - eta_min)
+    assert scheduler.get_last_lr() == pytest.approx([0.1 + (1 - c) / 2, (1 - c) / 4],
+                                                    rel=1e-14)
+    scheduler.step()  # epoch 6: the ratio again, from the rate the last step left
+    ratio = (1 + math.cos(6 * math.pi / 4)) / (1 + math.cos(5 * math.pi / 4))
+    assert scheduler.get_last_lr() == pytest.approx(
+        [ratio * (0.1 + (1 - c) / 2), ratio * (1 - c) / 4], rel=1e-14)
 
 
 def test_lambda_lr_one_function_or_one_per_group() -> None:
@@ -144,15 +170,47 @@ TORCH_CASES: list[tuple[str, dict[str, Any]]] = [
 
 
 @pytest.mark.parametrize("name, options", TORCH_CASES)
-def test_agrees_with_torch_schedulers(name: str, options: dict[str, Any]) -> None:
+@pytest.mark.parametrize("by_hand", [False, True])
+def test_agrees_with_torch_schedulers(name: str, options: dict[str, Any],
+                                      by_hand: bool) -> None:
+    """Fourteen epochs; ``by_hand``: the rate is also set by hand at epochs 3 and 8
+    (8 is the cosine's minimum)."""
     torch = pytest.importorskip("torch")
     w = torch.zeros(1, requires_grad=True)
     theirs = getattr(torch.optim.lr_scheduler, name)(torch.optim.Adam([w], lr=0.3), **options)
     ours = getattr(pargrad.optim.lr_scheduler, name)(
         Adam([pargrad.zeros(1, requires_grad=True)], lr=0.3), **options)
-    for _ in range(14):
+    for epoch in range(14):
         np.testing.assert_allclose(ours.get_last_lr(), theirs.get_last_lr(), rtol=1e-13)
+        np.testing.assert_allclose(ours.optimizer.param_groups[0]["lr"],
+                                   theirs.optimizer.param_groups[0]["lr"], rtol=1e-13)
         assert ours.last_epoch == theirs.last_epoch
+        if by_hand and epoch in (3, 8):
+            for scheduler in (ours, theirs):
+                scheduler.optimizer.param_groups[0]["lr"] *= 0.4
         theirs.optimizer.step()
         ours.step()
         theirs.step()
+
+
+def test_two_chained_schedulers_agree_with_torch() -> None:
+    """StepLR and CosineAnnealingLR on one optimizer, both stepped every epoch: each
+    works on the rate the other left."""
+    torch = pytest.importorskip("torch")
+    w = torch.zeros(1, requires_grad=True)
+    torch_opt = torch.optim.SGD([w], lr=0.5)
+    ours_opt = SGD([pargrad.zeros(1, requires_grad=True)], lr=0.5)
+    schedulers = []
+    for module, opt in ((torch.optim.lr_scheduler, torch_opt),
+                        (pargrad.optim.lr_scheduler, ours_opt)):
+        schedulers.append((module.StepLR(opt, step_size=3, gamma=0.5),
+                           module.CosineAnnealingLR(opt, T_max=4, eta_min=0.01)))
+    (t_step, t_cos), (o_step, o_cos) = schedulers
+    for _ in range(15):
+        np.testing.assert_allclose(ours_opt.param_groups[0]["lr"],
+                                   torch_opt.param_groups[0]["lr"], rtol=1e-13)
+        for mine, their in ((o_step, t_step), (o_cos, t_cos)):
+            np.testing.assert_allclose(mine.get_last_lr(), their.get_last_lr(), rtol=1e-13)
+        torch_opt.step()
+        for scheduler in (t_step, t_cos, o_step, o_cos):
+            scheduler.step()

@@ -183,6 +183,7 @@ def test_train_and_eval_reach_every_submodule() -> None:
 
 
 def test_zero_grad() -> None:
+    pargrad.random.seed(0)  # (a draw whose ReLU is 0 everywhere leaves a gradient of 0)
     net = Net()
     net(pargrad.ones((2, 3))).sum().backward()
     grads = [p.grad for p in net.parameters()]
@@ -192,6 +193,15 @@ def test_zero_grad() -> None:
     assert all(not np.any(g.data) for g in grads if g is not None)
     net.zero_grad()
     assert all(p.grad is None for p in net.parameters())
+    # A gradient with a graph (create_graph=True) stays the same Tensor too, as with
+    # Optimizer.zero_grad and PyTorch: cut off from its graph in place, then zeroed.
+    (net(pargrad.ones((2, 3))) ** 2).sum().backward(create_graph=True)
+    grads = [p.grad for p in net.parameters()]
+    assert all(g is not None and g.grad_fn is not None for g in grads)
+    net.zero_grad(set_to_none=False)
+    assert all(p.grad is g for p, g in zip(net.parameters(), grads))
+    assert all(g.grad_fn is None and not g.requires_grad and not np.any(g.data)
+               for g in grads if g is not None)
 
 
 def test_requires_grad_freezes_and_apply_visits_children_first() -> None:
@@ -290,7 +300,12 @@ def test_sequential_indexes_like_a_list() -> None:
     assert model[0] is layers[0] and model[-1] is layers[2]
     tail = model[1:]
     assert isinstance(tail, nn.Sequential) and list(tail) == layers[1:]
-    assert [name for name, _ in tail.named_parameters()] == ["1.weight", "1.bias"]
+    # the names are kept, as in PyTorch: a slice's state dict loads into the model's
+    assert list(tail.state_dict()) == ["2.weight", "2.bias"]
+    assert list(model[::2].state_dict()) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert list(model[:0]) == []
+    tail.append(nn.ReLU())  # the next number free, not one taken already
+    assert list(tail._modules) == ["1", "2", "3"] and len(model) == 3
     with pytest.raises(IndexError, match="index 3 is out of range for 3"):
         model[3]
     extra = nn.Sigmoid()
@@ -302,6 +317,25 @@ def test_sequential_indexes_like_a_list() -> None:
     np.testing.assert_array_equal(model(x).data, expected.data)
     named = nn.Sequential(OrderedDict(hidden=nn.Linear(2, 2), out=nn.Linear(2, 1)))
     assert [name for name, _ in named.named_parameters()][::2] == ["hidden.weight", "out.weight"]
+
+
+def test_a_slice_of_a_subclass_is_a_plain_container() -> None:
+    class Block(nn.Sequential):
+        def __init__(self, width: int) -> None:  # a constructor of its own
+            super().__init__(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 1))
+
+    block = Block(3)
+    head = block[1:]
+    assert type(head) is nn.Sequential and list(head.state_dict()) == ["2.weight", "2.bias"]
+
+    class Layers(nn.ModuleList):
+        def __init__(self, count: int) -> None:
+            super().__init__(nn.Linear(2, 2) for _ in range(count))
+
+    layers = Layers(3)
+    assert type(layers[1:]) is nn.ModuleList
+    assert list(layers[1:].state_dict()) == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    assert layers[1:][0] is layers[1]  # numbered from 0 again, as PyTorch's
 
 
 def test_module_list_registers_its_modules() -> None:

@@ -1,9 +1,9 @@
 """pargrad.optim: each optimizer against values worked by hand and against a plain numpy
-reference of the algorithm PyTorch documents (written here, out of place, one step at a
-time); parameter groups, options and their errors; the state dict (a resumed run
-continues bit for bit); updates during backward (bit for bit ``backward(); step();
-zero_grad()`` on every engine; a failed or cancelled backward changes nothing); PyTorch
-as an optional cross-check; the training benchmark, run tiny."""
+reference of each algorithm as PyTorch implements it (written here, out of place, one
+step at a time); parameter groups, options and their errors; the state dict (a resumed
+run continues bit for bit); updates during backward (bit for bit ``backward(); step();
+zero_grad()`` on every engine; a failed, cancelled or overlapped backward changes
+nothing); PyTorch as an optional cross-check; the training benchmark, run tiny."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from concurrent.futures import CancelledError
 from pathlib import Path
 from typing import Any
@@ -24,9 +25,10 @@ from hypothesis import strategies as st
 
 import pargrad
 from pargrad.optim import SGD, Adam, AdamW, Optimizer, RMSprop
-from tests.helpers import Boom, sleeping_function
+from tests.helpers import blocking_function, release_once_cancelled
 
 ROOT = Path(__file__).resolve().parent.parent
+WAIT = 30  # seconds: a generous bound on anything these tests wait for
 
 
 def leaf(values: Any) -> pargrad.Tensor:
@@ -287,9 +289,11 @@ def test_zero_grad_and_closure() -> None:
     opt.zero_grad()
     assert w.grad is None
     (w * w).sum().backward(create_graph=True)
-    assert w.grad.grad_fn is not None
-    opt.zero_grad(set_to_none=False)  # a .grad with a graph becomes plain zeros
-    assert w.grad.grad_fn is None and w.grad.data.tolist() == [0.0]
+    grad = w.grad
+    assert grad.grad_fn is not None and grad.requires_grad
+    opt.zero_grad(set_to_none=False)  # the same Tensor, cut off from its graph, zeroed
+    assert w.grad is grad and grad.grad_fn is None and not grad.requires_grad
+    assert grad.data.tolist() == [0.0]
     opt.zero_grad()
 
     calls = []
@@ -535,15 +539,22 @@ def test_step_in_backward_on_the_threaded_engines_as_configured(
 
 
 def wide_loss(params: list[pargrad.Tensor], x: np.ndarray) -> pargrad.Tensor:
-    """Independent branches, one weight each: their updates may all run at once."""
-    branches = [pargrad.tanh(pargrad.tensor(x) @ w).sum() for w in params]
+    """Independent branches, one weight each: their updates may all run at once. The
+    ops are elementwise: a threaded engine keeps a graph dominated by matmuls on the
+    calling thread (BLAS uses the cores already), and hands these off."""
+    branches = [pargrad.tanh(pargrad.tensor(x) * w).sum() for w in params]
     return sum(branches[1:], start=branches[0])
 
 
-def test_many_updates_at_once_under_a_tiny_switch_interval(engine: pargrad.Engine) -> None:
+def train_wide_under_a_tiny_switch_interval(
+        backward: Callable[[pargrad.Tensor], None] = pargrad.Tensor.backward) -> set[str]:
+    """Adam on eight independent branches, plain and with updates during backward (run
+    by ``backward(loss)``) on the current engine, under a switch interval of 1 us; the
+    two runs must agree. Returns the names of the threads that ran an update during
+    backward."""
     rng = np.random.default_rng(3)
     start = [rng.normal(size=(16, 16)) for _ in range(8)]
-    xs = [rng.normal(size=(4, 16)) for _ in range(3)]
+    xs = [rng.normal(size=(16, 16)) for _ in range(3)]
     a = [leaf(s.copy()) for s in start]
     b = [leaf(s.copy()) for s in start]
     plain, stepped = Adam(a, lr=0.1), Adam(b, lr=0.1)
@@ -566,14 +577,35 @@ def test_many_updates_at_once_under_a_tiny_switch_interval(engine: pargrad.Engin
             plain.zero_grad()
         with stepped.step_in_backward():
             for x in xs:
-                wide_loss(b, x).backward()
+                backward(wide_loss(b, x))
     finally:
         sys.setswitchinterval(interval)
     assert_same_run((a, plain), (b, stepped))
+    return threads
+
+
+def test_many_updates_at_once_under_a_tiny_switch_interval(engine: pargrad.Engine) -> None:
+    threads = train_wide_under_a_tiny_switch_interval()
     caller = threading.current_thread().name
     assert all(n == caller or n.startswith("pargrad-cpu-") for n in threads)
     if isinstance(engine, pargrad.SequentialEngine):
         assert threads == {caller}
+
+
+def test_updates_of_handed_off_nodes_run_on_engine_workers() -> None:
+    def on_the_workers(loss: pargrad.Tensor) -> None:
+        # concurrent.futures.wait does not help run the backward (result() would): the
+        # calling thread runs none of its nodes, so the updates run on the workers.
+        future = pargrad.backward_async(loss)
+        assert futures.wait([future], timeout=WAIT).done == {future}
+        future.result()
+
+    caller = threading.current_thread().name
+    with pargrad.ThreadedEngine(handoff_threshold=1) as engine, pargrad.use_engine(engine):
+        threads = train_wide_under_a_tiny_switch_interval(pargrad.Tensor.backward)
+        assert all(n == caller or n.startswith("pargrad-cpu-") for n in threads)
+        threads = train_wide_under_a_tiny_switch_interval(on_the_workers)
+    assert threads and all(n.startswith("pargrad-cpu-") for n in threads), threads
 
 
 def test_a_shared_parameter_is_updated_once_with_its_whole_gradient() -> None:
@@ -614,6 +646,25 @@ def test_the_handle_and_what_it_updates() -> None:
     opt.step_in_backward().remove()
 
 
+def test_two_optimizers_may_not_both_update_a_parameter_during_backward() -> None:
+    a, b, c = leaf([1.0]), leaf([2.0]), leaf([3.0])
+    first, second = SGD([a], lr=0.5), Adam([b, a])
+    with first.step_in_backward():
+        with pytest.raises(RuntimeError, match=r"do not combine: SGD\.step_in_backward\(\) "
+                                               r"updates .*, and Adam\.step_in_backward"):
+            second.step_in_backward()
+        (a * 2 + b * 4).sum().backward()  # none of second's hooks is left (b's neither)
+        assert a.data.tolist() == [0.0] and a.grad is None
+        assert b.data.tolist() == [2.0] and b.grad.data.tolist() == [4.0]
+        third = SGD([c], lr=0.5)
+        with third.step_in_backward():
+            with pytest.raises(RuntimeError, match="do not combine"):
+                third.add_param_group({"params": [a]})
+            assert len(third.param_groups) == 1 and a not in third.state  # unchanged
+            (a * 2 + c * 4).sum().backward()
+        assert a.data.tolist() == [-1.0] and c.data.tolist() == [1.0]
+
+
 def test_grad_does_not_update() -> None:
     w = leaf([1.0])
     opt = SGD([w], lr=0.5)
@@ -635,6 +686,50 @@ def assert_unchanged(before: Any, params: list[pargrad.Tensor], opt: Optimizer) 
     assert_same_state(state, opt.state_dict())
 
 
+class Updates:
+    """Counts an optimizer's updates (its ``_update`` wrapped, on any thread); ``all``
+    is set once ``count`` updates have run since ``expect(count)``."""
+
+    def __init__(self, opt: Optimizer) -> None:
+        self.lock = threading.Lock()
+        self.ran = 0  # guarded by lock, as is expected
+        self.expected = 0
+        self.all = threading.Event()
+        update = opt._update
+
+        def counted(*args: Any) -> None:
+            update(*args)
+            with self.lock:
+                self.ran += 1
+                if self.ran == self.expected:
+                    self.all.set()
+
+        opt._update = counted  # type: ignore[method-assign]
+
+    def expect(self, count: int) -> None:
+        with self.lock:
+            self.ran, self.expected = 0, count
+            self.all.clear()
+
+
+def failing_after(updated: threading.Event) -> Any:
+    """A new identity ``Function`` class (``LateBoomBackward``) whose backward waits for
+    ``updated`` and then raises ``ValueError("boom")``: a node that fails after the
+    parameters were updated, on any engine."""
+
+    class LateBoom(pargrad.Function):
+        @staticmethod
+        def forward(ctx: Any, x: pargrad.Tensor) -> np.ndarray:
+            return x.data.copy()
+
+        @staticmethod
+        def backward(ctx: Any, g: pargrad.Tensor) -> pargrad.Tensor:
+            assert updated.wait(WAIT), "the parameters were never updated"
+            raise ValueError("boom")
+
+    return LateBoom
+
+
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_a_failed_backward_changes_no_parameter_and_no_state(
         engine: pargrad.Engine, name: str) -> None:
@@ -643,15 +738,20 @@ def test_a_failed_backward_changes_no_parameter_and_no_state(
     plain = train_plain(make, xs)
     params = make_model(0)
     opt = make(params)
+    updates = Updates(opt)
     with opt.step_in_backward():
         loss_of(params, xs[0]).backward()
         before = snapshot(params, opt)
 
-        # A node fails: the parameters' nodes are newer, so the reference updates them
-        # before it reaches the failing node; a threaded engine may or may not.
-        bad = Boom.apply(leaf(np.ones(3)) * 2).sum()
-        with pytest.raises(pargrad.BackwardError, match="BoomBackward"):
+        # A node fails once every parameter was updated. (Its node is older than the
+        # parameters' nodes, so the reference, and a threaded engine keeping the graph
+        # on the caller, runs it after them; a worker running it waits for them.)
+        updates.expect(len(params))
+        bad = failing_after(updates.all).apply(leaf(np.ones(3)) * 2).sum()
+        with pytest.raises(pargrad.BackwardError, match="LateBoomBackward") as info:
             (bad + loss_of(params, xs[1])).backward()
+        assert repr(info.value.__cause__) == "ValueError('boom')"
+        assert updates.ran == len(params)
         assert_unchanged(before, params, opt)
 
         # The backward fails at its very end, after every update ran: all are undone.
@@ -692,29 +792,122 @@ def test_a_failed_backward_restores_a_gradient_that_was_there(engine: pargrad.En
 
 
 def test_a_failed_or_cancelled_async_backward_changes_nothing() -> None:
+    # Two workers: one runs the parameters' nodes while the other is held by a node
+    # that fails (or blocks) until they are all updated.
     engine = pargrad.ThreadedEngine(workers=2, handoff_threshold=1)
+    block = blocking_function(WAIT)
     try:
         params = make_model(0)
         opt = SGD(params, lr=0.1, momentum=0.9)
+        updates = Updates(opt)
         x = batches(6, 1)[0]
         with opt.step_in_backward():
+            loss_of(params, x).backward(engine=engine)  # state to restore
             before = snapshot(params, opt)
-            bad = Boom.apply(leaf(np.ones(3)) * 2).sum()
+            updates.expect(len(params))
+            bad = failing_after(updates.all).apply(leaf(np.ones(3)) * 2).sum()
             future = pargrad.backward_async(bad + loss_of(params, x), engine=engine)
-            assert isinstance(future.exception(timeout=30), pargrad.BackwardError)
+            assert isinstance(future.exception(timeout=WAIT), pargrad.BackwardError)
+            assert updates.ran == len(params)
             assert_unchanged(before, params, opt)
 
-            slow = sleeping_function(0.2).apply(leaf(np.ones(3))).sum()
+            updates.expect(len(params))
+            slow = block.apply(leaf(np.ones(3))).sum()
             future = pargrad.backward_async(slow + loss_of(params, x), engine=engine)
-            cancelled = future.cancel()
-            if cancelled:
-                with pytest.raises(CancelledError):
-                    future.result(timeout=30)
-                assert_unchanged(before, params, opt)
-            else:  # it had finished: then it updated
-                future.result(timeout=30)
-                assert not np.array_equal(params[0].data, before[0][0])
+            assert block.started.wait(WAIT) and updates.all.wait(WAIT)
+            release_once_cancelled(future, block)  # the backward runs until cancelled:
+            assert future.cancel()                 # cancel() surely wins
+            with pytest.raises(CancelledError):
+                future.result(timeout=WAIT)
+            assert updates.ran == len(params)
+            assert_unchanged(before, params, opt)
     finally:
+        block.release.set()
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("how", ["backward", "backward_async"])
+@pytest.mark.parametrize("engine_kind", ["sequential", "handoff-1"])
+def test_a_failed_commit_undoes_the_updates(monkeypatch: pytest.MonkeyPatch, how: str,
+                                            engine_kind: str) -> None:
+    """The commit itself raises (after every node and hook ran): the updates made
+    during the backward are undone, and the .grad committed early restored, whether
+    the backward was called or started (its future then carries the error)."""
+    engine = (pargrad.SequentialEngine() if engine_kind == "sequential"
+              else pargrad.ThreadedEngine(handoff_threshold=1))
+    try:
+        params = make_model(0)
+        make = OPTIMIZERS["Adam"]
+        opt = make(params)
+        updates = Updates(opt)
+        xs = batches(7, 2)
+        with opt.step_in_backward():
+            loss_of(params, xs[0]).backward(engine=engine)  # state to restore
+            old = pargrad.tensor(np.full(8, 0.5))
+            params[1].grad = old
+            before = snapshot(params, opt)
+
+            def broken(self: Any, kept: Any) -> None:
+                raise ValueError("commit failed")
+
+            monkeypatch.setattr(pargrad.autograd._BackwardCall, "commit", broken)
+            updates.expect(len(params))
+            loss = loss_of(params, xs[1])
+            if how == "backward":
+                with pytest.raises(ValueError, match="commit failed"):
+                    loss.backward(engine=engine)
+            else:
+                error = pargrad.backward_async(loss, engine=engine).exception(timeout=WAIT)
+                assert repr(error) == "ValueError('commit failed')"
+            assert updates.ran == len(params)  # all updated, then all undone
+            assert params[1].grad is old
+            assert_unchanged(before, params, opt)
+
+            monkeypatch.undo()
+            params[1].grad = None
+            loss_of(params, xs[1]).backward(engine=engine)  # as if nothing had happened
+        assert_same_run(train_plain(make, xs), (params, opt))
+    finally:
+        if isinstance(engine, pargrad.ThreadedEngine):
+            engine.shutdown()
+
+
+def test_a_backward_may_not_update_what_another_may_still_undo() -> None:
+    """A second backward_async reaches a parameter the first updated while the first is
+    still in flight (it may yet fail and restore the copy it took): the second fails
+    at that parameter, changing nothing, and the first's undo restores its own copy."""
+    engine = pargrad.ThreadedEngine(workers=2, handoff_threshold=1)
+    block = blocking_function(WAIT)
+    try:
+        params = make_model(0)
+        make = OPTIMIZERS["SGD"]
+        opt = make(params)
+        updates = Updates(opt)
+        xs = batches(9, 2)
+
+        def fail() -> None:
+            raise ValueError("late failure")
+
+        with opt.step_in_backward():
+            loss_of(params, xs[0]).backward(engine=engine)
+            before = snapshot(params, opt)
+            updates.expect(len(params))
+            first_loss = block.apply(leaf(np.ones(3))).sum() + loss_of(params, xs[1])
+            first_loss.register_hook(lambda g: pargrad.queue_callback(fail))
+            first = pargrad.backward_async(first_loss, engine=engine)
+            assert updates.all.wait(WAIT)  # every parameter updated; the first blocked
+            second = pargrad.backward_async(loss_of(params, xs[1]), engine=engine)
+            error = second.exception(timeout=WAIT)
+            assert isinstance(error, pargrad.BackwardError)
+            assert "that another backward updated and may still undo" in str(error.__cause__)
+            assert updates.ran == len(params)  # the second updated nothing
+            block.release.set()
+            assert repr(first.exception(timeout=WAIT)) == "ValueError('late failure')"
+            assert_unchanged(before, params, opt)
+            loss_of(params, xs[1]).backward(engine=engine)  # the first is over: updates
+        assert_same_run(train_plain(make, xs), (params, opt))
+    finally:
+        block.release.set()
         engine.shutdown()
 
 

@@ -1,18 +1,23 @@
 """``pargrad.autograd.queue_undo``: what a post-accumulate-grad hook queues runs when its
 backward fails (newest first, before the early ``.grad`` commits are restored), never
-when it succeeds, and raises where it is called outside such a hook. Every test that
-runs a backward runs on every engine."""
+when it succeeds, and raises where it is called outside such a hook; ``undo_may_run``
+says which of those it is. Every test that runs a backward runs on every engine, but
+the one that cancels (on a threaded engine)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from concurrent.futures import CancelledError
 
 import numpy as np
 import pytest
 
 import pargrad
-from pargrad.autograd import queue_undo
-from tests.helpers import Boom
+from pargrad.autograd import queue_undo, undo_may_run
+from tests.helpers import Boom, blocking_function, release_once_cancelled
+
+WAIT = 30  # seconds: a generous bound on anything these tests wait for
 
 
 def fail() -> None:
@@ -28,6 +33,8 @@ def failing_at_the_end(loss: pargrad.Tensor) -> pargrad.Tensor:
 def test_queue_undo_outside_a_hook_raises() -> None:
     with pytest.raises(RuntimeError, match="only be called from a post-accumulate-grad hook"):
         queue_undo(lambda: None)
+    with pytest.raises(RuntimeError, match="undo_may_run can only be called from a post-"):
+        undo_may_run()
     with pytest.raises(TypeError, match="takes a callable, got int"):
         queue_undo(3)  # type: ignore[arg-type]
     x = pargrad.tensor([1.0], requires_grad=True)
@@ -133,3 +140,56 @@ def test_a_node_failing_undoes_the_hooks_that_ran(engine: pargrad.Engine) -> Non
     with pytest.raises(pargrad.BackwardError, match="BoomBackward"):
         (bad + (w * 2).sum()).backward()  # w's nodes are newer: may run before Boom's
     assert undone == changed and w.grad is None
+
+
+def test_undo_may_run_until_the_backward_commits_or_is_undone(engine: pargrad.Engine) -> None:
+    w = pargrad.tensor([1.0], requires_grad=True)
+    asked: list[Callable[[], bool]] = []
+    answers: list[tuple[str, bool]] = []
+
+    def hook(t: pargrad.Tensor) -> None:
+        queue_undo(lambda: answers.append(("undoing", asked[-1]())))
+        asked.append(undo_may_run())
+        answers.append(("hook", asked[-1]()))
+
+    w.register_post_accumulate_grad_hook(hook)
+    (w * 2).sum().backward()
+    assert answers == [("hook", True)] and not asked[0]()  # committed: never runs now
+    with pytest.raises(ValueError, match="late failure"):
+        failing_at_the_end((w * 2).sum()).backward()
+    assert answers[1:] == [("hook", True), ("undoing", True)]
+    assert not asked[1]()  # undone: it has run
+    assert not asked[0]()
+
+
+def test_a_cancel_whose_undo_raises_resolves_with_that_error() -> None:
+    """cancel() returns True, yet the future is not cancelled: it carries the undo's
+    exception, whose context says that it was cancelled."""
+    block = blocking_function(WAIT)
+    w = pargrad.tensor([1.0, 2.0], requires_grad=True)
+    hooked = threading.Event()
+
+    def broken() -> None:
+        raise KeyError("undo failed")
+
+    def hook(t: pargrad.Tensor) -> None:
+        queue_undo(broken)
+        hooked.set()
+
+    w.register_post_accumulate_grad_hook(hook)
+    try:
+        with pargrad.ThreadedEngine(workers=2, handoff_threshold=1) as engine:
+            slow = block.apply(pargrad.tensor(np.ones(3), requires_grad=True)).sum()
+            future = pargrad.backward_async(slow + (w * 2).sum(), engine=engine)
+            assert block.started.wait(WAIT) and hooked.wait(WAIT)  # still in flight
+            release_once_cancelled(future, block)
+            assert future.cancel()
+            assert future.done() and not future.cancelled()
+            error = future.exception()
+            assert repr(error) == "KeyError('undo failed')"
+            assert isinstance(error.__context__, CancelledError)
+            with pytest.raises(KeyError, match="undo failed"):
+                future.result()
+    finally:
+        block.release.set()
+    assert w.grad is None  # the early commit was restored all the same

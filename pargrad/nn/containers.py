@@ -1,6 +1,8 @@
 """Containers of modules: ``Sequential`` (a chain, called in order) and ``ModuleList`` (a
 list whose modules are registered, so their parameters are found). Both are indexed like
-lists; their submodules are named ``0``, ``1``, ... (so ``0.weight``).
+lists; their submodules are named ``0``, ``1``, ... (so ``0.weight``). As in PyTorch, a
+slice of a ``Sequential`` keeps its modules' names (``model[1:]`` of three modules holds
+``1`` and ``2``), and a slice of a ``ModuleList`` numbers them from ``0`` again.
 
 >>> import pargrad
 >>> from pargrad import nn
@@ -13,6 +15,7 @@ lists; their submodules are named ``0``, ``1``, ... (so ``0.weight``).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar, overload
 
@@ -22,7 +25,8 @@ C = TypeVar("C", bound="_Indexed")
 
 
 class _Indexed(Module):
-    """Modules held in order under the names ``"0"``, ``"1"``, ...: list indexing."""
+    """Modules held in order (named ``"0"``, ``"1"``, ... unless given other names),
+    indexed by position as a list is."""
 
     def _key(self, index: int) -> str:
         """The name of the module at ``index`` (negative counts from the end)."""
@@ -32,17 +36,13 @@ class _Indexed(Module):
                              f"{len(keys)} modules")
         return keys[index]
 
-    @overload
-    def __getitem__(self, index: int) -> Module: ...
+    def _at(self, index: int) -> Module:
+        """The module at ``index`` (what ``self[index]`` returns)."""
+        return self._modules[self._key(index)]  # type: ignore[return-value]
 
-    @overload
-    def __getitem__(self: C, index: slice) -> C: ...
-
-    def __getitem__(self, index: int | slice) -> Any:
-        if isinstance(index, slice):  # the same modules, renumbered from 0
-            return type(self)().extend(m for m in list(self._modules.values())[index]
-                                       if m is not None)
-        return self._modules[self._key(index)]
+    def _items(self, index: slice) -> list[tuple[str, Module]]:
+        """The names and modules of a slice, in order (a None entry left out)."""
+        return [(name, m) for name, m in list(self._modules.items())[index] if m is not None]
 
     def __setitem__(self, index: int, module: Module) -> None:
         self.add_module(self._key(index), module)
@@ -54,8 +54,12 @@ class _Indexed(Module):
         return iter(m for m in self._modules.values() if m is not None)
 
     def append(self: C, module: Module) -> C:
-        """Add ``module`` at the end; returns self."""
-        self.add_module(str(len(self)), module)
+        """Add ``module`` at the end, named by its position (or, in a slice that kept
+        other names, the next number free); returns self."""
+        number = len(self)
+        while str(number) in self._modules:
+            number += 1
+        self.add_module(str(number), module)
         return self
 
     def extend(self: C, modules: Iterable[Module]) -> C:
@@ -68,8 +72,9 @@ class _Indexed(Module):
 class Sequential(_Indexed):
     """``Sequential(m0, m1, ...)``: calling it calls ``m0``, then ``m1`` on the result,
     and so on. Indexing (``model[0]``; ``model[1:]``, a new Sequential of those modules
-    numbered from 0), ``len``, iteration and ``append`` work as on a list.
-    ``Sequential(OrderedDict(name=module, ...))`` names the modules instead.
+    under the names they have here, as in PyTorch), ``len``, iteration and ``append``
+    work as on a list. ``Sequential(OrderedDict(name=module, ...))`` names the modules
+    instead.
 
     >>> import pargrad
     >>> from pargrad import nn
@@ -87,6 +92,17 @@ class Sequential(_Indexed):
                 self.add_module(name, module)
         else:
             self.extend(modules)  # type: ignore[arg-type]
+
+    @overload
+    def __getitem__(self, index: int) -> Module: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequential: ...
+
+    def __getitem__(self, index: int | slice) -> Module:
+        if isinstance(index, slice):  # a plain Sequential even from a subclass, whose
+            return Sequential(OrderedDict(self._items(index)))  # constructor may differ
+        return self._at(index)
 
     def forward(self, x: Any) -> Any:
         for module in self:
@@ -109,3 +125,14 @@ class ModuleList(_Indexed):
     def __init__(self, modules: Iterable[Module] | None = None) -> None:
         super().__init__()
         self.extend(modules or ())
+
+    @overload
+    def __getitem__(self, index: int) -> Module: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> ModuleList: ...
+
+    def __getitem__(self, index: int | slice) -> Module:
+        if isinstance(index, slice):  # numbered from 0 again, as PyTorch's (a plain
+            return ModuleList(m for _, m in self._items(index))  # ModuleList: see above)
+        return self._at(index)

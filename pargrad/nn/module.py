@@ -301,8 +301,10 @@ class Module:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset every parameter's ``.grad``: to None (the default), or, with
-        ``set_to_none=False``, to zeros in place (a gradient with a graph, from
-        ``create_graph=True``, is cut off from it first)."""
+        ``set_to_none=False``, to zeros in place, as ``Optimizer.zero_grad`` and
+        PyTorch do: the ``.grad`` stays the same Tensor, made a leaf that does not
+        require grad (a gradient from ``create_graph=True`` is cut off from its graph
+        with ``detach_()``), and zeroed."""
         for param in self.parameters():
             grad = param.grad
             if grad is None:
@@ -311,7 +313,9 @@ class Module:
                 param.grad = None
                 continue
             if grad.grad_fn is not None:
-                grad = param.grad = grad.detach()
+                grad.detach_()
+            else:
+                grad.requires_grad_(False)
             with no_grad():
                 grad.zero_()
 

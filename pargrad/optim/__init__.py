@@ -1,7 +1,10 @@
 """``pargrad.optim``: optimizers and learning-rate schedulers, as ``torch.optim``'s.
 
 ``SGD``, ``Adam``, ``AdamW`` and ``RMSprop`` update leaf Tensors in place from their
-``.grad``, step for step as PyTorch documents each algorithm; ``lr_scheduler`` has
+``.grad``, step for step as PyTorch's implementation of each computes it, so that
+results agree with torch's to rounding. Where pseudo-code PyTorch has published
+differs from that (SGD's maximize with weight decay, Adam's amsgrad), the
+implementation is followed; the classes' docstrings say how. ``lr_scheduler`` has
 ``StepLR``, ``CosineAnnealingLR`` and ``LambdaLR``. ``Optimizer.step_in_backward()``
 makes the updates happen during backward, each as soon as its parameter's gradient is
 final (docs/training.md).

@@ -1,6 +1,8 @@
 """``Adam`` and ``AdamW``: adaptive moments, with amsgrad and maximize, step for step as
-PyTorch documents ``torch.optim.Adam`` and ``torch.optim.AdamW``. They differ only in
-weight decay: Adam adds λθ to the gradient (L2), AdamW shrinks θ itself (decoupled).
+PyTorch's implementation of ``torch.optim.Adam`` and ``torch.optim.AdamW`` computes them
+(``Adam``'s docstring says where that differs from pseudo-code PyTorch has published).
+They differ only in weight decay: Adam adds λθ to the gradient (L2), AdamW shrinks θ
+itself (decoupled).
 """
 
 from __future__ import annotations
@@ -29,6 +31,12 @@ class Adam(Optimizer):
         m̂ <- m / (1 - β1^t)
         v̂ <- v / (1 - β2^t), or with amsgrad: v_max <- max(v_max, v), v̂ <- v_max / (1 - β2^t)
         θ <- θ - lr m̂ / (sqrt(v̂) + eps)
+
+    With amsgrad, v_max keeps the largest *raw* second moment v, bias-corrected after,
+    as PyTorch's implementation does. Some versions of PyTorch's documentation take
+    the maximum of the bias-corrected v̂ instead, which differs: the correction
+    1 / (1 - β2^t) shrinks as t grows, so an old v̂ weighs more than its v. pargrad
+    follows the implementation, so that its results agree with torch's to rounding.
 
     Options may differ per parameter group. Raises ValueError for a negative lr, eps or
     weight_decay, and for betas outside [0, 1). Thread-safety and blocking as

@@ -110,9 +110,14 @@ class StepLR(LRScheduler):
         super().__init__(optimizer)
 
     def _lr(self, i: int, lr: float) -> float:
-        if self.last_epoch == 0 or self.last_epoch % self.step_size != 0:
+        # The staircase initial_lr * gamma ** (e // step_size), taken as a recursion:
+        # from epoch e - 1 to e the rate is multiplied by gamma once for every stair
+        # begun in between (none or one), so a rate changed by hand keeps its change.
+        epoch = self.last_epoch
+        if epoch == 0:  # the rate the scheduler starts from
             return lr
-        return lr * self.gamma
+        stairs = epoch // self.step_size - (epoch - 1) // self.step_size
+        return lr * self.gamma if stairs else lr
 
 
 class CosineAnnealingLR(LRScheduler):
@@ -151,13 +156,20 @@ class CosineAnnealingLR(LRScheduler):
         super().__init__(optimizer)
 
     def _lr(self, i: int, lr: float) -> float:
-        epoch, t_max, eta_min = self.last_epoch, self.T_max, self.eta_min
-        if epoch == 0:
+        if self.last_epoch == 0:  # the rate the scheduler starts from
             return lr
-        if (epoch - 1 - t_max) % (2 * t_max) == 0:  # T_cur = (2k + 1) T_max: the minimum
-            return lr + (self.base_lrs[i] - eta_min) * (1 - math.cos(math.pi / t_max)) / 2
-        return eta_min + (lr - eta_min) * (1 + math.cos(epoch * math.pi / t_max)) / (
-            1 + math.cos((epoch - 1) * math.pi / t_max))
+        t_cur = self.last_epoch - 1  # the epoch ``lr`` belongs to; this step leaves it
+        if t_cur % (2 * self.T_max) == self.T_max:
+            # At a minimum of the cosine 1 + cos(T_cur π / T_max) is 0 and the ratio
+            # below undefined: climb by the closed form's first step up instead.
+            rise = (1 - math.cos(math.pi / self.T_max)) / 2
+            return lr + rise * (self.base_lrs[i] - self.eta_min)
+        ratio = (1 + self._cos(t_cur + 1)) / (1 + self._cos(t_cur))
+        return self.eta_min + ratio * (lr - self.eta_min)
+
+    def _cos(self, t: int) -> float:
+        """cos(t π / T_max), the cosine of the schedule at epoch t."""
+        return math.cos(math.pi * t / self.T_max)
 
 
 class LambdaLR(LRScheduler):

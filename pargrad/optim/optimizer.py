@@ -2,7 +2,7 @@
 state of each parameter, ``zero_grad``, ``step``, the state dict, and updates during
 backward (``step_in_backward``, pargrad/optim/in_backward.py). A subclass gives its
 default options, checks them (``_check``) and updates one parameter by one step
-(``_update``), following the algorithm PyTorch documents for it.
+(``_update``), as PyTorch's implementation of that optimizer computes it.
 
 Guarantees:
 - ``step`` and the updates during backward call the same ``_update`` with the same
@@ -104,16 +104,19 @@ class Optimizer:
         group = {"params": params, **self.defaults,
                  **{k: v for k, v in param_group.items() if k != "params"}}
         self._check(group)
+        if self._in_backward is not None:  # may raise (a parameter DataParallel averages)
+            self._in_backward.add(group)
         self.param_groups.append(group)
         for p in params:
             self.state[p] = {}
-        if self._in_backward is not None:
-            self._in_backward.add(group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the ``.grad`` of every parameter: to None (the default, which frees the
         memory and makes the next ``step`` skip parameters that get no gradient), or to
-        zeros, in place (a ``.grad`` with a graph of its own is replaced by zeros).
+        zeros, in place, as ``Module.zero_grad`` and PyTorch do: the ``.grad`` stays the
+        same Tensor, made a leaf that does not require grad (one with a graph of its
+        own, from ``create_graph=True``, is cut off from it with ``detach_()``), and
+        zeroed.
 
         >>> import pargrad
         >>> from pargrad.optim import SGD
@@ -130,11 +133,13 @@ class Optimizer:
                 grad = p.grad
                 if set_to_none or grad is None:
                     p.grad = None
-                elif grad.grad_fn is not None:
-                    p.grad = Tensor._make(np.zeros_like(grad.data), device=grad.device)
+                    continue
+                if grad.grad_fn is not None:
+                    grad.detach_()
                 else:
-                    with no_grad():
-                        grad.zero_()
+                    grad.requires_grad_(False)
+                with no_grad():
+                    grad.zero_()
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Update every parameter that has a ``.grad`` by one step of the algorithm, in
@@ -179,7 +184,11 @@ class Optimizer:
         (docs/training.md, "Updates during backward"). Returns a handle: ``remove()``
         (or leaving its ``with`` block) goes back to plain ``step``.
 
-        Raises RuntimeError if a handle of this optimizer is active already.
+        Raises RuntimeError if a handle of this optimizer is active already, and if a
+        parameter has a hook that takes its final gradient already: ``DataParallel``'s,
+        which averages it across ranks only after the backward, so an update during
+        backward would use this rank's own gradient (with DataParallel, call ``step()``
+        after ``DataParallel.backward``). Nothing is registered then.
 
         >>> import pargrad
         >>> from pargrad.optim import SGD

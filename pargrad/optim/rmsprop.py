@@ -1,6 +1,7 @@
 """``RMSprop``: steps scaled by a running average of squared gradients, with momentum,
-the centered variant, weight decay and maximize, step for step as PyTorch documents
-``torch.optim.RMSprop``.
+the centered variant, weight decay and maximize, step for step as PyTorch's
+implementation of ``torch.optim.RMSprop`` computes it (its documented pseudo-code has no
+maximize; the implementation negates the gradient first, as here).
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 """``SGD``: stochastic gradient descent, with momentum, dampening, Nesterov momentum,
-weight decay (L2) and maximize, step for step as PyTorch documents ``torch.optim.SGD``.
+weight decay (L2) and maximize, step for step as PyTorch's implementation of
+``torch.optim.SGD`` computes it (the class docstring says where that differs from
+pseudo-code PyTorch has published).
 """
 
 from __future__ import annotations
@@ -25,6 +27,13 @@ class SGD(Optimizer):
             b <- g at the first step, else momentum b + (1 - dampening) g
             g <- g + momentum b if nesterov, else b
         θ <- θ - lr g
+
+    This is the order of PyTorch's implementation: maximize negates the gradient
+    *before* weight decay is added, so the decay still pulls θ towards zero. Some
+    versions of PyTorch's documentation write maximize as the last line instead
+    (θ <- θ + lr g, the decay added to the gradient itself), which moves θ otherwise
+    when weight_decay != 0. pargrad follows the implementation, so that its results
+    agree with torch's to rounding.
 
     Options may differ per parameter group. Raises ValueError for a negative lr,
     momentum, dampening or weight_decay, and for ``nesterov=True`` without momentum or
