@@ -25,7 +25,7 @@ from pargrad.engine.base import BackwardRequest, Engine
 from pargrad.engine.buffer import accumulate
 from pargrad.engine.selection import current_engine
 from pargrad.futures import BackwardFuture
-from pargrad.grad_mode import enable_grad
+from pargrad.grad_mode import enable_grad, no_grad
 from pargrad.graph import AccumulateGrad, BackwardError, Edge, Grad
 from pargrad.interrupts import HELD, NODE, deferred_interrupts, gate_installed
 from pargrad.ops import copy
@@ -507,6 +507,24 @@ def _running_commits(caller: str) -> _EarlyCommits:
         raise RuntimeError(f"{caller} can only be called from a post-accumulate-grad hook "
                            f"(or a hook of a leaf's AccumulateGrad) during backward")
     return commits
+
+
+def reset_grad(leaf: Tensor, set_to_none: bool = True) -> None:
+    """Reset ``leaf.grad``: to None, or with ``set_to_none=False`` to zeros in place (as
+    PyTorch's ``zero_grad`` does): the ``.grad`` stays the same Tensor, made a leaf that
+    does not require grad (one from ``create_graph=True`` is cut off from its graph
+    with ``detach_()``), and zeroed. What ``Module.zero_grad`` and
+    ``Optimizer.zero_grad`` do to each parameter."""
+    grad = leaf.grad
+    if set_to_none or grad is None:
+        leaf.grad = None
+        return
+    if grad.grad_fn is not None:
+        grad.detach_()
+    else:
+        grad.requires_grad_(False)
+    with no_grad():
+        grad.zero_()
 
 
 def _as_tensor(grad: Grad, like: Tensor) -> Tensor:

@@ -33,6 +33,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
+from pargrad.autograd import reset_grad
 from pargrad.grad_mode import no_grad
 from pargrad.nn.parameter import Parameter
 from pargrad.tensor import Tensor
@@ -306,18 +307,7 @@ class Module:
         require grad (a gradient from ``create_graph=True`` is cut off from its graph
         with ``detach_()``), and zeroed."""
         for param in self.parameters():
-            grad = param.grad
-            if grad is None:
-                continue
-            if set_to_none:
-                param.grad = None
-                continue
-            if grad.grad_fn is not None:
-                grad.detach_()
-            else:
-                grad.requires_grad_(False)
-            with no_grad():
-                grad.zero_()
+            reset_grad(param, set_to_none)
 
     # ----- saving and loading -----
     def state_dict(self) -> dict[str, np.ndarray]:

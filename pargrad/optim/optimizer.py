@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from pargrad.autograd import reset_grad
 from pargrad.grad_mode import enable_grad, no_grad
 from pargrad.optim.in_backward import StepInBackward
 from pargrad.tensor import Tensor
@@ -130,16 +131,7 @@ class Optimizer:
         """
         for group in self.param_groups:
             for p in group["params"]:
-                grad = p.grad
-                if set_to_none or grad is None:
-                    p.grad = None
-                    continue
-                if grad.grad_fn is not None:
-                    grad.detach_()
-                else:
-                    grad.requires_grad_(False)
-                with no_grad():
-                    grad.zero_()
+                reset_grad(p, set_to_none)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Update every parameter that has a ``.grad`` by one step of the algorithm, in
