@@ -59,7 +59,8 @@ def backward(
     Raises TypeError/ValueError/RuntimeError for bad roots or gradients, and
     ``BackwardError`` (naming the node, original exception chained) if a node fails;
     in both cases no ``.grad`` is changed (a post-accumulate-grad hook that ran is not
-    undone, but the ``.grad`` it saw is restored).
+    undone unless it queued its own undo with ``queue_undo``, but the ``.grad`` it saw
+    is restored).
 
     >>> import pargrad
     >>> x = pargrad.tensor([1.0, 2.0, 3.0], requires_grad=True)

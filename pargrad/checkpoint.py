@@ -37,11 +37,15 @@ def checkpoint(fn: Callable[..., Any], *args: Any) -> Any:
     differentiates through may be arguments or reached otherwise (closed over, globals,
     attributes): each gets its gradient as in the plain graph. Other arguments (numbers,
     arrays, flags) are passed through as given. ``fn`` runs twice, both times with grad
-    mode on: once here (its graph is dropped at once) and once in backward. Works with
-    ``create_graph=True``: the gradient is then recorded as another checkpoint, so it can
-    be differentiated again (which recomputes ``fn`` once more). Thread-safe as a
-    backward is: concurrent backward calls through one checkpoint each recompute on
-    their own copies.
+    mode on: once here (its graph is dropped at once) and once in backward (under
+    ``no_grad``: once, here, recording nothing). Works with ``create_graph=True``: the
+    gradient is then recorded as another checkpoint, so it can be differentiated again
+    (which recomputes ``fn`` once more). Thread-safe as a backward is: concurrent
+    backward calls through one checkpoint each recompute on their own copies.
+    Assumption: ``fn`` does not read a tensor that another thread records while ``fn``
+    runs (nodes are told apart by sequence number, which all threads share); if it
+    does, the backward raises as for a tensor reached only in backward (never a wrong
+    gradient).
 
     >>> import pargrad
     >>> w = pargrad.tensor([2.0, -1.0], requires_grad=True)

@@ -315,8 +315,6 @@ class DataParallel:
         self.rank, self.size = self.comm.rank, self.comm.size
         self.bucket_bytes, self.average, self.overlap = bucket_bytes, average, overlap
         self.deterministic, self.timeout = deterministic, timeout
-        self._check_same_parameters()
-        broadcast_parameters(self.parameters, self.comm)
         # Guards the buckets' state (see _Bucket), _next, _filled, _ready_order and the
         # collectives started and tested from hooks. Takes nothing of pargrad's.
         self._lock = threading.Lock()
@@ -330,6 +328,9 @@ class DataParallel:
         try:  # raises if an optimizer updates a parameter during backward (then: none)
             for i, p in enumerate(self.parameters):
                 self._handles.append(p.register_post_accumulate_grad_hook(_GradReady(self, i)))
+            # The collectives come last: a refusal above leaves every value as it was.
+            self._check_same_parameters()
+            broadcast_parameters(self.parameters, self.comm)
         except BaseException:
             self.remove()
             raise

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+
 class _State(threading.local):
     """Per-thread state, so no lock: ``enabled`` (the flag; a class default, so a new
     thread reads True without a miss) and ``saved`` (the modes to restore when the

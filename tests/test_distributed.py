@@ -349,8 +349,11 @@ def test_updates_during_backward_and_data_parallel_do_not_combine() -> None:
         opt.step()  # how they combine: step after the averaged backward
         opt.zero_grad()
     with opt.step_in_backward():
+        comm = OneRank()
+        comm.broadcast = lambda buffer, root: pytest.fail("refused, yet broadcast")  # type: ignore[method-assign]
         with pytest.raises(RuntimeError, match=f"do not combine: {updates}, and {averages}"):
-            DataParallel(params, OneRank(), bucket_bytes=1)
+            DataParallel(params, comm, bucket_bytes=1)  # before any collective
+        assert comm.started == []
         values = [p.data.copy() for p in params]
         model.loss(params, *model.batch(np.float64)).backward()  # no DataParallel hook
         assert all(p.grad is None for p in params)                # left: updated, freed

@@ -81,8 +81,8 @@ class Adam(Optimizer):
         state["step"] = t = state["step"] + 1
         m, v = state["exp_avg"], state["exp_avg_sq"]
         # Line by line the algorithm of the docstring, computed into two scratch arrays
-        # (out=): a new array of the parameter's size for every operation could cost
-        # its page faults again at every step (in_backward._Saved says why).
+        # (out=) instead of a new array per operation: two fresh arrays a step, not
+        # seven (each may fault its pages in again: in_backward._Saved says why).
         scratch, root = np.empty_like(param.data), np.empty_like(param.data)
         m *= beta1
         m += np.multiply(1 - beta1, g, out=scratch)

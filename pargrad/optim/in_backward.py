@@ -6,7 +6,7 @@ Guarantees:
 - Bit for bit what ``backward(); step(); zero_grad()`` gives: the hook runs the same
   ``Optimizer._update`` on the same ``.grad`` (final: every contribution of the backward
   added, and anything there before it), and when it runs every node of the backward
-  that reads the parameter has run already (docs/async.md).
+  that differentiates through the parameter has run already (docs/async.md).
 - A backward that fails, or is cancelled, changes no parameter and no optimizer state.
   Before it changes anything, the hook copies the parameter's values and state and
   queues their restoration (``autograd.queue_undo``). The restoration also puts back
