@@ -71,8 +71,7 @@ class Adam(Optimizer):
 
     def _update(self, param: Tensor, grad: np.ndarray, group: Group,
                 state: dict[str, Any]) -> None:
-        g = -grad if group["maximize"] else grad
-        g = self._decayed(param, g, group)
+        g = self._direction(param, grad, group)
         beta1, beta2 = group["betas"]
         if not state:
             state["step"] = 0
@@ -96,12 +95,6 @@ class Adam(Optimizer):
         denominator = np.add(np.sqrt(v_hat, out=root), group["eps"], out=root)
         param -= np.divide(np.multiply(group["lr"], m_hat, out=scratch), denominator,
                            out=scratch)
-
-    def _decayed(self, param: Tensor, g: np.ndarray, group: Group) -> np.ndarray:
-        """Weight decay, before the moments: Adam's adds λθ to the gradient (L2)."""
-        if group["weight_decay"] != 0:
-            return g + group["weight_decay"] * param.data
-        return g
 
 
 class AdamW(Adam):
@@ -127,8 +120,9 @@ class AdamW(Adam):
                  maximize: bool = False) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize)
 
-    def _decayed(self, param: Tensor, g: np.ndarray, group: Group) -> np.ndarray:
-        """Decoupled weight decay: the parameter itself shrinks first."""
+    def _direction(self, param: Tensor, grad: np.ndarray, group: Group) -> np.ndarray:
+        """Decoupled weight decay: the parameter itself shrinks first; the step follows
+        the plain gradient (negated with ``maximize``)."""
         if group["weight_decay"] != 0:
             param -= group["lr"] * group["weight_decay"] * param.data
-        return g
+        return -grad if group["maximize"] else grad

@@ -305,6 +305,15 @@ class Optimizer:
         parameters may run at once."""
         raise NotImplementedError
 
+    def _direction(self, param: Tensor, grad: np.ndarray, group: Group) -> np.ndarray:
+        """The gradient a step follows: ``grad``, negated with ``maximize``, plus
+        ``weight_decay * param`` (L2 decay, as SGD, Adam and RMSprop apply it). A new
+        array where it differs from ``grad``, which is never written."""
+        g = -grad if group["maximize"] else grad
+        if group["weight_decay"] != 0:
+            g = g + group["weight_decay"] * param.data
+        return g
+
 
 def _params(params: Any, name: str, known: dict[Tensor, dict[str, Any]]) -> list[Tensor]:
     """A group's ``"params"`` as a list, each checked: a leaf Tensor, listed once."""

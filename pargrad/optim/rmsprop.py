@@ -56,9 +56,7 @@ class RMSprop(Optimizer):
 
     def _update(self, param: Tensor, grad: np.ndarray, group: Group,
                 state: dict[str, Any]) -> None:
-        g = -grad if group["maximize"] else grad
-        if group["weight_decay"] != 0:
-            g = g + group["weight_decay"] * param.data
+        g = self._direction(param, grad, group)
         alpha = group["alpha"]
         if not state:
             state["step"] = 0

@@ -67,9 +67,7 @@ class SGD(Optimizer):
 
     def _update(self, param: Tensor, grad: np.ndarray, group: Group,
                 state: dict[str, Any]) -> None:
-        g = -grad if group["maximize"] else grad
-        if group["weight_decay"] != 0:
-            g = g + group["weight_decay"] * param.data
+        g = self._direction(param, grad, group)
         momentum = group["momentum"]
         if momentum != 0:
             buffer = state.get("momentum_buffer")
