@@ -46,8 +46,8 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
         description="Time pargrad's engines (and PyTorch and HIPS autograd, if installed) "
                     "on the same graphs, and compare the ratios with the targets in "
                     "docs/performance.md. Run it from the repository root.",
-        epilog="The full run takes about 8 minutes on 2 cores, --quick about 2.5. Every figure is "
-               "a ratio of two medians from the same run; run on a quiet machine.")
+        epilog="The full run takes about 3-4 minutes on 2 cores, --quick under one. Every "
+               "figure is a ratio of two medians from the same run; run on a quiet machine.")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true",
                       help="3-15 repeats after 1 warm-up, fewer widths and random DAGs "
