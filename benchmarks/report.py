@@ -166,9 +166,12 @@ def fastest(workload: dict[str, Any], names: tuple[str, ...], part: str) -> floa
     return min(times) if times else None
 
 
-def _over(workload: dict[str, Any], contender: str, other: float | None,
-          part: str) -> float | None:
-    return None if other is None else median(workload, contender, part) / other
+def over_fastest(workload: dict[str, Any], contender: str, peers: tuple[str, ...],
+                 part: str) -> float | None:
+    """``contender``'s median of ``part`` over the fastest of ``peers`` that ran (None if
+    none did)."""
+    best = fastest(workload, peers, part)
+    return None if best is None else median(workload, contender, part) / best
 
 
 def targets(workloads: list[dict[str, Any]], cores: int, default: str,
@@ -193,17 +196,17 @@ def targets(workloads: list[dict[str, Any]], cores: int, default: str,
                     median(w, worst) / reference,
                     1.03 if name.startswith("random-dag") else 1.05, False, "backward")
         if name == "tiny-chain":
-            value = _over(w, default, fastest(w, TORCH, "backward"), "backward")
+            value = over_fastest(w, default, TORCH, "backward")
             _target(out, f"{name}: {default} / fastest torch, backward per node", value, 1.0,
                     False, "backward")
-            value = _over(w, default, fastest(w, TORCH, "total"), "total")
+            value = over_fastest(w, default, TORCH, "total")
             _target(out, f"{name}: {default} / fastest torch, forward+backward per op", value,
                     1.0, False, "forward + backward")
-            value = _over(w, default, fastest(w, ("hips",), "total"), "total")
+            value = over_fastest(w, default, ("hips",), "total")
             _target(out, f"{name}: {default} / hips, forward+backward per op", value, 0.6,
                     False, "forward + backward")
         if name.startswith("random-dag"):
-            value = _over(w, default, fastest(w, TORCH, "backward"), "backward")
+            value = over_fastest(w, default, TORCH, "backward")
             _target(out, f"{name}: {default} / fastest torch, backward per node", value, 1.2,
                     False, "backward")
         if name == "fan-in":

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.peers import TORCH
-from benchmarks.report import ceiling_speedup, fastest, median
+from benchmarks.report import ceiling_speedup, fastest, median, over_fastest
 from benchmarks.suite import SEQUENTIAL, ceiling_names
 from benchmarks.workloads import selected
 
@@ -83,12 +83,6 @@ def speedup(w: Workload, contender: str) -> float | None:
     if contender not in w["contenders"]:
         return None
     return median(w, SEQUENTIAL) / median(w, contender)
-
-
-def over(w: Workload, contender: str, peers: tuple[str, ...]) -> float | None:
-    """``contender``'s forward + backward median over the fastest of ``peers`` that ran."""
-    best = fastest(w, peers, "total")
-    return None if best is None else median(w, contender, "total") / best
 
 
 def torch_speedup(w: Workload) -> float | None:
@@ -179,8 +173,8 @@ def family(run: Run, names: tuple[str, ...], per_node: bool = False) -> list[str
     columns += [
         ("plain threads", lambda w: _ratio(ceiling_speedup(w, run.cores))),
         ("PyTorch", lambda w: _ratio(torch_speedup(w))),
-        (f"fw+bw, {d} / PyTorch", lambda w: _ratio(over(w, d, TORCH))),
-        (f"fw+bw, {d} / HIPS", lambda w: _ratio(over(w, d, ("hips",)))),
+        (f"fw+bw, {d} / PyTorch", lambda w: _ratio(over_fastest(w, d, TORCH, "total"))),
+        (f"fw+bw, {d} / HIPS", lambda w: _ratio(over_fastest(w, d, ("hips",), "total"))),
     ]
     return table(rows, columns)
 
@@ -280,7 +274,7 @@ def summary(run: Run) -> list[str]:
                    "reference's speed.")
     for peer, label in ((TORCH, "PyTorch"), (("hips",), "HIPS autograd")):
         pairs = [(w["name"], value) for w in run.figures["workloads"]
-                 if (value := over(w, d, peer)) is not None]
+                 if (value := over_fastest(w, d, peer, "total")) is not None]
         if pairs:
             out.append(f"- Forward + backward, the default engine's time over {label}'s: "
                        f"faster on {_listed([p for p in pairs if p[1] < 1])}; slower on "
@@ -319,7 +313,8 @@ def readme(run: Run) -> list[str]:
         (f"default engine, {d}", lambda w: _ratio(speedup(w, d))),
         ("plain threads", lambda w: _ratio(ceiling_speedup(w, run.cores))),
         ("PyTorch", lambda w: _ratio(torch_speedup(w))),
-        ("forward + backward, pargrad / PyTorch", lambda w: _ratio(over(w, d, TORCH))),
+        ("forward + backward, pargrad / PyTorch",
+         lambda w: _ratio(over_fastest(w, d, TORCH, "total"))),
     ])
 
 
