@@ -127,12 +127,12 @@ class _VectorJacobianProduct:
     def __call__(self, *values: Any) -> tuple[Tensor, ...]:
         args, grads = values[:self.n_args], values[self.n_args:]
         wrt = [i for i, a in enumerate(args) if _requires_grad(a)]
-        if is_grad_enabled():  # args are leaves made for this call: record through them
-            found = _recompute_vjp(self.fn, list(args), grads, wrt, self.outside,
-                                   create_graph=True)
-        else:  # a checkpoint under no_grad: values only
-            found = _recompute_vjp(self.fn, [_detached(a) for a in args], grads, wrt,
-                                   self.outside, create_graph=False)
+        # Recording (args are leaves made for this call: record through them), or a
+        # checkpoint under no_grad (values only, on copies).
+        recording = is_grad_enabled()
+        inputs = list(args) if recording else [_detached(a) for a in args]
+        found = _recompute_vjp(self.fn, inputs, grads, wrt, self.outside,
+                               create_graph=recording)
         return tuple(
             Tensor._make(np.zeros(t.shape, t.dtype), device=t.device) if g is None else g
             for t, g in zip([*(args[i] for i in wrt), *self.outside], found))
