@@ -33,6 +33,9 @@ def count(call: Callable[[], Any]) -> collections.Counter[str]:
     counts: collections.Counter[str] = collections.Counter()
 
     def local(frame: FrameType, event: str, arg: Any) -> Any:
+        # Set here too: from 3.12 on, the flag set at the call event takes effect only
+        # once the frame's own trace function sets it (at its first line, before any opcode).
+        frame.f_trace_opcodes = True
         if event == "opcode":
             code = frame.f_code
             counts[f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_name}"] += 1

@@ -57,8 +57,12 @@ class FunctionCtx:
         self._materialize_grads = True
         self._node_name = ""
         # Saved tensors that are this Function's own outputs: saved index -> output
-        # index, and the node (weakly: the node holds this ctx) they come back with.
+        # index, which they come back as.
         self._saved_outputs: dict[int, int] = {}
+        # The node of this ctx, weakly (the node holds this ctx), None before it is made:
+        # once the graph is gone, a ctx kept elsewhere hands out nothing (as PyTorch's).
+        # A weak reference rather than a node's __del__, which would run Python code
+        # wherever the node is freed, so that a Ctrl-C could land in it and be lost.
         self._node: weakref.ref[Node] | None = None
 
     def _own_outputs(self, node: Node, results: tuple[Any, ...], outputs: list[Any],
@@ -77,8 +81,6 @@ class FunctionCtx:
                         and made_here(saved)):
                     self._saved_outputs[k] = i
                     break
-        if self._saved_outputs:
-            self._node = weakref.ref(node)
 
     def save_for_backward(self, *tensors: Any) -> None:
         """Keep tensors (or arrays) for backward; read them back with ``saved_tensors``.
@@ -97,15 +99,15 @@ class FunctionCtx:
         if a saved tensor was given new ``.data`` since it was saved, or (a
         ``BackwardError`` naming the node) if one was changed in place since.
         """
-        if self._saved is None:
+        node = None if self._node is None else self._node()
+        if self._saved is None or (node is None and self._node is not None):
             raise RuntimeError(
                 "saved tensors were freed after the first backward; pass retain_graph=True "
                 "to backward through this graph more than once"
             )
         check_saved_data(self._saved, self._saved_arrays, "saved tensor")
         check(self._node_name, self._versions, "saved tensor")
-        node = None if self._node is None else self._node()
-        if node is None:
+        if node is None or not self._saved_outputs:
             return self._saved
         saved = list(self._saved)
         for k, i in self._saved_outputs.items():  # (the node's outputs, as PyTorch's)
@@ -296,6 +298,7 @@ class FunctionNode(Node):
                                              for o in outputs), device)
         self.function = function
         self.ctx = ctx
+        ctx._node = weakref.ref(self)
         self.materialize_grads = ctx._materialize_grads
         # Outputs that are not tensors: their gradient is always None.
         self.not_tensors = tuple(i for i, o in enumerate(outputs) if o is None)
@@ -307,11 +310,6 @@ class FunctionNode(Node):
         had_saved = bool(self.ctx._saved)
         self.ctx._saved = None
         return had_saved
-
-    def __del__(self) -> None:
-        # The graph is gone: a ctx kept elsewhere (a backward that stashed it) no longer
-        # hands out its saved tensors, as in PyTorch.
-        self.ctx._saved = None
 
     def _run_pre_hooks(self, hooks: NodeHooks, grads: tuple[Grad, ...]) -> tuple[Grad, ...]:
         return super()._run_pre_hooks(hooks, self._tensor_grads(grads))

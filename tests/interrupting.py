@@ -7,7 +7,8 @@ as for a real Ctrl-C) at the ``n``-th *signal point* executed in the code object
 
 Signal points: CPython runs a signal's Python handler only between bytecodes where its
 eval loop checks for pending work: on entry to a function, at a loop's back edge
-(``JUMP_BACKWARD``), and right after a call returns (``CALL``, ``CALL_FUNCTION_EX``);
+(``JUMP_BACKWARD``), and right after a call returns (``CALL``, ``CALL_FUNCTION_EX``, and
+from 3.13 ``CALL_KW``, a call with keyword arguments);
 a blocking call that is interrupted (a lock's acquire, ``Event.wait``) raises from that
 call, i.e. at the same point. Those are the bytecode boundaries where a Ctrl-C can land,
 so they are the ones injected into. ``every_bytecode=True`` injects at every bytecode
@@ -27,7 +28,7 @@ import sys
 from types import CodeType, FrameType
 from typing import Any
 
-_CHECKS = ("CALL", "CALL_FUNCTION_EX", "JUMP_BACKWARD")
+_CHECKS = ("CALL", "CALL_KW", "CALL_FUNCTION_EX", "JUMP_BACKWARD")
 
 
 def code_objects(names: list[tuple[str, str]]) -> set[CodeType]:
@@ -66,6 +67,9 @@ class SigintAt:
     def _local(self, frame: FrameType, event: str, arg: Any) -> Any:
         if self.fired:
             return None
+        # From 3.12 on, the flag set at the call event is not seen until it is set again
+        # from the frame's own trace function (at its first line event, before any opcode).
+        frame.f_trace_opcodes = True
         if event == "opcode":
             code = frame.f_code.co_code
             previous = self._previous.get(id(frame))
