@@ -29,10 +29,14 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 # really run on several threads instead of inline on the caller.
 ENGINES: dict[str, Callable[[], pargrad.Engine]] = {
     "sequential": pargrad.SequentialEngine,
-    "threaded-1": lambda: pargrad.ThreadedEngine(workers=1),
+    # handoff_branch=0: its small graphs stay on the calling thread without the GIL too.
+    "threaded-1": lambda: pargrad.ThreadedEngine(workers=1, handoff_branch=0),
     "threaded-4-handoff": lambda: pargrad.ThreadedEngine(workers=4, handoff_threshold=2),
     "threaded-deterministic": lambda: pargrad.ThreadedEngine(
         workers=3, deterministic=True, handoff_threshold=2),
+    # Small nodes handed off at forks whose branches have 3 nodes or more: the policy
+    # that a free-threaded Python uses by default (at 32 nodes), on every interpreter.
+    "threaded-branches": lambda: pargrad.ThreadedEngine(workers=2, handoff_branch=3),
 }
 
 

@@ -39,7 +39,7 @@ SEQUENTIAL = "pargrad.engine.sequential"
 LOOP_CODE = [
     (THREADED, "ThreadedEngine.execute"), (THREADED, "ThreadedEngine._drive_call"),
     (THREADED, "ThreadedEngine._begin"), (LOOP, "drive"), (LOOP, "_get"),
-    (LOOP, "thread_main"), (LOOP, "run_nodes"), (LOOP, "_Run.evaluate"),
+    (LOOP, "thread_main"), (LOOP, "run_nodes"),
     (LOOP, "schedule"), (LOOP, "TaskScope.__enter__"), (LOOP, "TaskScope.__exit__"),
     (LOOP, "_requeue"), (LOOP, "_interrupted"), (LOOP, "fail"),
     (THREADED, "_AsyncWork.wait"), (GRAPH_TASK, "GraphTask.start"),

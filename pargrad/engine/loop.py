@@ -31,7 +31,9 @@ import functools
 import heapq
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Container
+from collections.abc import Set as AbstractSet
 from types import TracebackType
 from typing import TYPE_CHECKING, Protocol, cast
 
@@ -41,9 +43,9 @@ from pargrad.engine import blas
 from pargrad.engine.base import Engine, _engine_stack
 from pargrad.engine.graph_task import GraphTask, InlineRun, NodeTask, Ready
 from pargrad.engine.ready_queue import Flag, ReadyQueue
-from pargrad.engine.trace import Counters, Log, ThreadCounts, Trace, now, recording
+from pargrad.engine.trace import Counters, Log, Trace, now, recording
 from pargrad.grad_mode import _set_enabled, is_grad_enabled
-from pargrad.graph import BackwardError, Grad, Node
+from pargrad.graph import AccumulateGrad, BackwardError, Grad, Node
 from pargrad.interrupts import HELD, NODE, POLL, Gate, current_gate
 from pargrad.parallel import Job
 
@@ -270,11 +272,22 @@ def _should_stop(stop: Flag | None, until: float | None) -> bool:
             or (until is not None and time.monotonic() >= until))
 
 
-def run_nodes(task: GraphTask, local: Local, at: Device, *, reraise: bool,
+# One frame for the whole per-node path: a call per node is most of what a small node
+# costs (the reference's loop, sequential.run_graph, is cut the same way).
+def run_nodes(task: GraphTask, local: Local, at: Device, *, reraise: bool,  # noqa: C901, PLR0912, PLR0915
               owner: GraphTask | None = None, handed: Node | None = None,
               until: float | None = None) -> None:
-    """Run the nodes on ``local`` and the ready nodes they keep, on this thread
-    (``evaluate`` each), handing the rest on (``schedule``).
+    """Run the nodes on ``local`` and the ready nodes they keep, on this thread, handing
+    the rest on (``schedule``).
+
+    Each node: its tensor hooks and the gradients kept of it, its backward (inside the
+    BLAS gate if it runs BLAS), then the delivery of its gradients along its edges (with
+    the canonical order's keys in deterministic mode), keeping those of the sinks that
+    became ready. A node that exactly one edge reaches is ready with that gradient at
+    once (``GraphTask.single``); when it is the only node made ready and nothing newer
+    waits on ``local``, it runs next without the heap or ``GraphTask.finish`` (a chain:
+    the count of ready nodes does not change). Gradients are held only until their
+    node's backward returned.
 
     With ``reraise``, an exception that is not an ``Exception`` (KeyboardInterrupt) is
     recorded in the task and raised again here; otherwise nothing escapes. ``owner`` is
@@ -287,108 +300,114 @@ def run_nodes(task: GraphTask, local: Local, at: Device, *, reraise: bool,
     instead of running here.
     """
     engine = cast(Scheduler, task.engine)
-    run = _Run(task, at, reraise, owner, handed, engine._counters.mine(),
-               recording(engine.trace))
-    gate = run.gate
+    counts = engine._counters.mine()
+    records = recording(engine.trace)
+    gate = current_gate()  # Ctrl-C raises inside a node; elsewhere, at the loop's top
+    view = task.view()  # this thread's copy of what the task says of its nodes
+    single, sinks, wanted = view.single, view.sinks, view.wanted
+    deliver, retain, deterministic = task.deliver, task.retain_graph, task.deterministic
+    # Every node of the task is at ``at``: no node needs a look at its device.
+    at_home = task.one_device and at is CPU
+    heappush, heappop = heapq.heappush, heapq.heappop
+    node: Node | None = None  # the next node of a chain, run without the heap
+    grads: list[Grad | None] = []
     with TaskScope(task, task.engine, task.create_graph, task.anomaly_mode, gate):
-        while local:
-            if gate.pending is not None:  # a Ctrl-C came during bookkeeping: now it lands
-                _interrupted(task, local, gate, owner)
-            if until is not None and time.monotonic() >= until:
-                _requeue(engine, task, local)
-                return
-            if task.cancelled:
-                heapq.heappop(local)
+        while True:
+            if node is not None and (gate.pending is not None or task.cancelled
+                                     or until is not None):
+                heappush(local, (-node.sequence_nr, node, grads))  # for the checks below
+                node = None
+            if node is None:
+                if not local:
+                    return
+                if gate.pending is not None:  # a Ctrl-C came during bookkeeping: it lands
+                    _interrupted(task, local, gate, owner)
+                if until is not None and time.monotonic() >= until:
+                    _requeue(engine, task, local)
+                    return
+                if task.cancelled:
+                    heappop(local)
+                    task.finish([])
+                    continue
+                _, node, grads = heappop(local)
+            counts.nodes += 1
+            if node is handed:
+                counts.handed_off += 1
+            follow: Node | None = None  # the first node this one makes ready...
+            first: list[Grad | None] = []  # ... with its gradients
+            more: list[Ready] = []  # the others it makes ready
+            start = 0.0
+            try:
+                gate.mode = NODE  # first in the try: a Ctrl-C from here on is caught
+                if node._hooks is not None or (wanted and node in wanted):
+                    grads = task.prepare(node, grads)
+                gated = node.calls_blas
+                if gated:  # BLAS nodes: at most as many at once as the cores allow
+                    blas.enter_gate()
+                if records is not None:
+                    start = now()
+                try:
+                    outputs = node.apply(grads, retain_graph=retain)
+                finally:
+                    if gated:
+                        blas.leave_gate()
+                grads = first
+                seq, e = node.sequence_nr, -1
+                for next_node, input_nr, grad in zip(node.next_nodes, node.input_nrs, outputs):
+                    e += 1
+                    if next_node is None:
+                        continue
+                    if next_node in single:
+                        gathered: list[Grad | None] = [grad]
+                    else:
+                        buffered = deliver(next_node, input_nr, grad,
+                                           (1, -seq, e) if deterministic else None)
+                        if buffered is None:
+                            continue
+                        gathered = buffered
+                    if next_node in sinks:
+                        if not task.cancelled:  # no hook after a cancel
+                            task.sink(next_node, gathered)
+                            if records is not None:
+                                _record_ready(records, next_node, task)
+                    elif follow is None:
+                        follow, first = next_node, gathered
+                    else:
+                        more.append((next_node, gathered))
+                del outputs
+                gate.mode = HELD  # last in the try
+            except BaseException as exc:
+                gate.mode = HELD  # first in the handler
+                fail(task, exc, node, owner)
+                if reraise and not isinstance(exc, Exception):
+                    for _ in range(len(local) + 1):  # finish this node and the rest, skipped
+                        task.finish([])
+                    raise
+            finally:
+                if records is not None:
+                    record = (node.name(), node.sequence_nr, str(at), start, now(),
+                              node is handed, task.number)
+                    for log in records:
+                        log.nodes.append(record)
+            node = None
+            if follow is None:
                 task.finish([])
                 continue
-            try:  # the popped entry goes to evaluate alone, which frees its gradients
-                ready = run.evaluate(heapq.heappop(local))
-            except BaseException:  # only an interrupt, with reraise: the task is cancelled
-                for _ in range(len(local) + 1):  # finish this node and the rest, skipped
-                    task.finish([])
-                raise
-            runnable = task.finish(ready)
-            if len(runnable) == 1 and runnable[0][0].device is at:  # a chain
-                heapq.heappush(local, (-runnable[0][0].sequence_nr, *runnable[0]))
+            if not more and (at_home or follow.device is at):
+                # A chain: as many made ready as finished, so the count stays as it is.
+                if not local or local[0][0] > -follow.sequence_nr:
+                    node, grads = follow, first  # the newest: what the heap would give next
+                else:
+                    heappush(local, (-follow.sequence_nr, follow, first))
+                continue
+            more.append((follow, first))
+            del follow, first
+            runnable = task.finish(more)
+            if len(runnable) == 1 and runnable[0][0].device is at:
+                heappush(local, (-runnable[0][0].sequence_nr, *runnable[0]))
             elif runnable:
                 schedule(task, runnable, at, local)
-
-
-class _Run:
-    """What ``evaluate`` needs for the nodes one ``run_nodes`` call runs: this thread's
-    part of the call, and the task's fields that never change, read once."""
-
-    __slots__ = ("at", "counts", "deliver", "deterministic", "gate", "handed", "owner",
-                 "records", "reraise", "retain", "sinks", "task", "wanted")
-
-    def __init__(self, task: GraphTask, at: Device, reraise: bool, owner: GraphTask | None,
-                 handed: Node | None, counts: ThreadCounts, records: list[Log] | None) -> None:
-        self.task, self.at, self.reraise, self.owner = task, at, reraise, owner
-        self.handed, self.counts, self.records = handed, counts, records
-        self.retain, self.deterministic = task.retain_graph, task.deterministic
-        self.sinks, self.wanted, self.deliver = task.sinks, task.wanted, task.deliver
-        # Ctrl-C raises inside a node; elsewhere here, at the top of run_nodes' loop.
-        self.gate = current_gate()
-
-    # One node's whole path, run for every node: a split would cost each node a call.
-    def evaluate(self, entry: tuple[int, Node, list[Grad | None]]) -> list[Ready]:  # noqa: C901, PLR0912, PLR0915
-        """Run the node of ``entry`` (taken off a thread's heap): its tensor hooks and the
-        gradients kept of it, its backward, then the delivery of its gradients along its
-        edges (with the canonical order's keys in deterministic mode), keeping those of
-        the sinks that became ready. Returns the other nodes that became ready (not yet
-        counted). An error fails the task (``fail``); an interrupt, with ``reraise``, is
-        then raised again. Holds the node's gradients only until its backward returned."""
-        _, node, grads = entry
-        del entry
-        task, gate, records, sinks = self.task, self.gate, self.records, self.sinks
-        self.counts.nodes += 1
-        if node is self.handed:
-            self.counts.handed_off += 1
-        ready: list[Ready] = []
-        start = 0.0
-        try:
-            gate.mode = NODE  # first in the try: a Ctrl-C from here on is caught
-            if node._hooks is not None or (self.wanted and node in self.wanted):
-                grads = task.prepare(node, grads)
-            gated = node.calls_blas
-            if gated:  # BLAS nodes: at most as many at once as the cores allow
-                blas.enter_gate()
-            if records is not None:
-                start = now()
-            try:
-                outputs = node.apply(grads, retain_graph=self.retain)
-            finally:
-                if gated:
-                    blas.leave_gate()
-            del grads
-            seq, deterministic, deliver = node.sequence_nr, self.deterministic, self.deliver
-            for e, (next_node, input_nr, grad) in enumerate(
-                    zip(node.next_nodes, node.input_nrs, outputs)):
-                if next_node is None:
-                    continue
-                gathered = deliver(next_node, input_nr, grad,
-                                   (1, -seq, e) if deterministic else None)
-                if gathered is None:
-                    continue
-                if next_node not in sinks:
-                    ready.append((next_node, gathered))
-                elif not task.cancelled:  # no hook after a cancel
-                    task.sink(next_node, gathered)
-                    if records is not None:
-                        _record_ready(records, next_node, task)
-            gate.mode = HELD  # last in the try
-        except BaseException as exc:
-            gate.mode = HELD  # first in the handler
-            fail(task, exc, node, self.owner)
-            if self.reraise and not isinstance(exc, Exception):
-                raise
-        finally:
-            if records is not None:
-                record = (node.name(), node.sequence_nr, str(self.at), start, now(),
-                          node is self.handed, task.number)
-                for log in records:
-                    log.nodes.append(record)
-        return ready
+            del more, runnable
 
 
 def fail(task: GraphTask, exc: BaseException, node: Node | None,
@@ -468,7 +487,12 @@ def schedule(task: GraphTask, runnable: list[Ready], at: Device, local: Local) -
     A cheap node often leads on into expensive work (the chain of adds that sums several
     branches), so it is the expensive nodes that are handed off, not the cheap ones. A
     node that runs BLAS is kept too while the BLAS gate lets only one such node run at a
-    time (BLAS already uses every core): another thread would only wait at the gate."""
+    time (BLAS already uses every core): another thread would only wait at the gate.
+
+    With the task's ``branch`` (without the GIL), a cheap node that is not the newest
+    one kept goes to the ReadyQueue too when it leads to a branch of at least that many
+    nodes reached through it alone (``leads_to``): small nodes can then run on two
+    threads at once, and a branch that long pays for its hand-off."""
     if task.serial:  # every node on this thread, in the reference's order
         for node, grads in runnable:
             heapq.heappush(local, (-node.sequence_nr, node, grads))
@@ -476,6 +500,8 @@ def schedule(task: GraphTask, runnable: list[Ready], at: Device, local: Local) -
     engine = cast(Scheduler, task.engine)
     runnable.sort(key=lambda r: r[0].sequence_nr, reverse=True)  # newest first
     pool, threshold = engine._pool, engine.handoff_threshold
+    branch = task.branch
+    view = task.view() if branch else None
     expensive: list[Ready] = []
     kept_one = False
     blas_alone: bool | None = None  # the gate lets one BLAS node run at once (asked once)
@@ -486,6 +512,10 @@ def schedule(task: GraphTask, runnable: list[Ready], at: Device, local: Local) -
         if node.calls_blas and blas_alone is None:
             blas_alone = blas.gate_size() <= 1
         if node.cost < threshold or (node.calls_blas and blas_alone):
+            if kept_one and view is not None and leads_to(node, branch, view.single,
+                                                             view.sinks):
+                expensive.append((node, grads))  # a branch worth another thread
+                continue
             kept_one = True
             heapq.heappush(local, (-node.sequence_nr, node, grads))
         else:
@@ -495,6 +525,74 @@ def schedule(task: GraphTask, runnable: list[Ready], at: Device, local: Local) -
         heapq.heappush(local, (-node.sequence_nr, node, grads))
     if expensive:
         _hand_off(task, expensive, pool.queue(at), local)
+
+
+def leads_to(node: Node, count: int, single: Container[Node], sinks: Container[Node]) -> bool:
+    """Whether ``node`` and the nodes reached through it alone (each in ``single``: one
+    edge reaches it, from a node of the branch) that run (not in ``sinks``) are ``count``
+    or more: the work a thread that takes ``node`` surely has. Looks at ``count`` nodes
+    at most."""
+    stack = [node]
+    while stack:
+        count -= 1
+        if count <= 0:
+            return True
+        for next_node in stack.pop().next_nodes:
+            if next_node is not None and next_node in single and next_node not in sinks:
+                stack.append(next_node)
+    return False
+
+
+class _OneEdge:
+    """The nodes of ``counts`` that one edge reaches (no root): ``TaskView.single``, asked
+    of a few nodes without making the set of all."""
+
+    __slots__ = ("_counts", "_roots")
+
+    def __init__(self, counts: dict[Node, list[int]], roots: AbstractSet[Node]) -> None:
+        self._counts, self._roots = counts, roots
+
+    def __contains__(self, node: object) -> bool:
+        return self._counts.get(node) == _ONE and node not in self._roots  # type: ignore[call-overload]
+
+
+class _Accumulators:
+    """The sinks of a backward without targets: its leaves' accumulators."""
+
+    __slots__ = ()
+
+    def __contains__(self, node: object) -> bool:
+        return isinstance(node, AccumulateGrad)
+
+
+_ONE = [1]
+
+
+def has_branches(counts: dict[Node, list[int]], roots: AbstractSet[Node], count: int,
+                 within: int = 64) -> bool:
+    """Whether one of the first ``within`` nodes met from ``roots`` (breadth first) of a
+    backward without targets is a fork with two branches of ``count`` nodes or more below
+    it (``leads_to``): work that two threads could run at once. Bounded: graphs whose
+    parallelism starts deeper than that are not seen, and run as if they had none."""
+    single, sinks = _OneEdge(counts, roots), _Accumulators()
+    seen = set(roots)
+    queue = deque(seen)
+    while queue and within > 0:
+        within -= 1
+        branches = []
+        for next_node in queue.popleft().next_nodes:
+            if next_node is None or next_node in seen or next_node not in counts:
+                continue
+            seen.add(next_node)
+            if isinstance(next_node, AccumulateGrad):
+                continue
+            queue.append(next_node)
+            if next_node in single:
+                branches.append(next_node)
+        if (len(branches) >= 2
+                and sum(leads_to(b, count, single, sinks) for b in branches) >= 2):
+            return True
+    return False
 
 
 def _hand_off(task: GraphTask, expensive: list[Ready], queue: ReadyQueue[NodeTask],

@@ -64,6 +64,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Set as AbstractSet
 from itertools import repeat
 from operator import attrgetter, is_
 from types import TracebackType
@@ -74,12 +75,19 @@ from pargrad.devices import CPU, Device, available_cores
 from pargrad.devices import device as as_device
 from pargrad.engine import blas
 from pargrad.engine.base import BackwardRequest, Engine, _engine_stack
-from pargrad.engine.graph_task import GraphTask, InlineRun, NodeTask, Ready
+from pargrad.engine.graph_task import (
+    GraphTask,
+    InlineRun,
+    NodeTask,
+    Ready,
+    gil_enabled,
+)
 from pargrad.engine.loop import (
     TaskScope,
     current_task,
     drive,
     enqueue,
+    has_branches,
     home_device,
     start_helper,
     state,
@@ -107,8 +115,8 @@ from pargrad.graph import (
 from pargrad.interrupts import HELD, NODE, current_gate, deferred_interrupts, gate_installed
 from pargrad.parallel import Offer
 
-__all__ = ["DEFAULT_HANDOFF_THRESHOLD", "MAX_REENTRANT_DEPTH", "ThreadedEngine",
-           "default_workers"]
+__all__ = ["DEFAULT_HANDOFF_BRANCH", "DEFAULT_HANDOFF_THRESHOLD", "MAX_REENTRANT_DEPTH",
+           "ThreadedEngine", "default_workers"]
 
 
 DEFAULT_HANDOFF_THRESHOLD = 1 << 18
@@ -117,6 +125,12 @@ other workers instead of staying on the thread that made it ready. Measured here
 (docs/performance.md, the wide-elementwise sweep): plain threads on 2 cores lose at
 3*10^4-element arrays (0.44-0.57x one thread) and gain at 3*10^5 (1.07-1.39x), and
 fan-in's 65,536-element nodes gained nothing on two threads (1.21 against 1.25)."""
+
+DEFAULT_HANDOFF_BRANCH = 32
+"""Without the GIL: nodes that a cheap ready node leads to, each reached through it alone,
+for it to be handed to another thread at a fork (its branch is then worth a hand-off).
+Measured on 3.13t here: a hand-off costs about as much as a few small nodes, and branches
+of 300 small nodes ran at 1.25x the reference on two threads (docs/performance.md)."""
 
 ENGINE_HINT = "; set PARGRAD_ENGINE=sequential to rerun on the reference engine"
 
@@ -252,7 +266,14 @@ class ThreadedEngine(Engine):
             gradients until the node runs). Otherwise buffers sum in arrival order and
             agree with the reference to rounding.
         handoff_threshold: a ready node whose gradients in and out have fewer array
-            elements than this stays on the thread that made it ready.
+            elements than this stays on the thread that made it ready (unless
+            ``handoff_branch`` hands it off).
+        handoff_branch: where a node makes several nodes ready, a cheap one that leads
+            to at least this many nodes reached through it alone goes to the ReadyQueue
+            for an idle thread, the newest staying on this thread (0: never). Default
+            None: by interpreter, at each backward call: 0 with the GIL on (small nodes
+            cannot run at the same time), ``DEFAULT_HANDOFF_BRANCH`` on a free-threaded
+            Python with the GIL off.
         limit_blas: while a backward runs, give numpy's BLAS ``cores // (workers + 1)``
             threads (at least 1), so that engine threads running matmuls at once do not
             oversubscribe the cores (``engine/blas.py``, through threadpoolctl). Off by
@@ -297,6 +318,7 @@ class ThreadedEngine(Engine):
         *,
         deterministic: bool = False,
         handoff_threshold: int = DEFAULT_HANDOFF_THRESHOLD,
+        handoff_branch: int | None = None,
         limit_blas: bool = False,
         intra_op: bool = True,
         memory_budget: int | None = None,
@@ -311,6 +333,8 @@ class ThreadedEngine(Engine):
         self.deterministic = bool(deterministic)
         self.handoff_threshold = check_count(handoff_threshold, "handoff_threshold",
                                               minimum=0)  # 0: hand off every node
+        self.handoff_branch = (None if handoff_branch is None
+                               else check_count(handoff_branch, "handoff_branch", minimum=0))
         self.limit_blas = bool(limit_blas)
         self.intra_op = bool(intra_op)
         self.memory_budget = (None if memory_budget is None
@@ -368,9 +392,9 @@ class ThreadedEngine(Engine):
         counted = None
         if depth < MAX_REENTRANT_DEPTH and recording(self.trace) is None and not (
                 outermost and self.limit_blas):
-            counted = counting([node for node, _ in request.roots if node is not None],
-                               request.targets)
-            if self._stays_inline(counted[0].counts, home):
+            roots = {node for node, _ in request.roots if node is not None}
+            counted = counting(roots, request.targets)
+            if self._stays_inline(counted[0].counts, home, roots):
                 return self._execute_inline(request, counted, parent=parent, depth=depth)
         queue = pool.queue(home)
         caller = threading.current_thread()
@@ -430,7 +454,14 @@ class ThreadedEngine(Engine):
             if limited:
                 blas.restore()
 
-    def _stays_inline(self, counts: Mapping[Node, object], home: Device) -> bool:
+    def branch_now(self) -> int:
+        """``handoff_branch`` as it applies to a backward starting now (0: off)."""
+        if self.handoff_branch is not None:
+            return self.handoff_branch
+        return 0 if gil_enabled() else DEFAULT_HANDOFF_BRANCH
+
+    def _stays_inline(self, counts: dict[Node, list[int]], home: Device,
+                      roots: AbstractSet[Node]) -> bool:
         """Whether a backward is better run on the calling thread alone: all its nodes
         are on device ``home`` and either none is worth handing to another thread (below
         the hand-off threshold), or BLAS work dominates while BLAS already uses every
@@ -439,6 +470,10 @@ class ThreadedEngine(Engine):
         plain threads at 0.6-0.8x the reference, docs/performance.md). With a memory
         budget of 0 nothing may be handed off either."""
         threshold = self.handoff_threshold
+        branch = self.branch_now()
+        if (branch and len(counts) >= 2 * branch and self.memory_budget != 0
+                and has_branches(counts, roots, branch)):
+            return False  # two branches worth a thread each (``schedule`` hands them off)
         # Most backward calls of small nodes are decided here, by loops in C (~35 ns a
         # node each; a Python loop cost ~0.15 µs): every node at home (known without a
         # look while no device but cpu exists), none above the threshold.
@@ -556,7 +591,7 @@ class ThreadedEngine(Engine):
         task: GraphTask | None = None
         try:
             task = GraphTask(request, deterministic=self.deterministic,
-                             memory_budget=self.memory_budget,
+                             memory_budget=self.memory_budget, branch=self.branch_now(),
                              depth=0 if parent is None else parent.depth + 1,
                              engine=self, on_done=on_done, parent=parent, counted=counted)
             if work is not None:
