@@ -27,6 +27,8 @@ import time
 from typing import Any
 
 from benchmarks import report
+from benchmarks.callers import NAME as CALLERS
+from benchmarks.callers import print_callers, run_callers
 from benchmarks.compare import add_arguments, compare
 from benchmarks.data_parallel import NAME as DATA_PARALLEL
 from benchmarks.data_parallel import print_data_parallel, run_data_parallel
@@ -57,7 +59,8 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--only", metavar="NAME,...",
                         help="run only these workloads: wide-matmul, wide-elementwise, "
                              "tiny-chain, fan-in, mlp-step, deep-elementwise, "
-                             "softmax-xent, random-dag (every size), overlap")
+                             "softmax-xent, random-dag (every size), small-branches "
+                             "(both shapes), overlap, callers, data-parallel")
     parser.add_argument("--workers", metavar="N,...", default="1,2,4",
                         help="the ThreadedEngine worker counts to compare (default 1,2,4)")
     parser.add_argument("--json", metavar="FILE", help="write every figure to FILE")
@@ -116,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     if selected(OVERLAP, only):
         figures["overlap"] = run_overlap(mode, s.repeats)
         report.print_overlap(figures["overlap"])
+    if selected(CALLERS, only):
+        figures[CALLERS] = run_callers(mode, s.repeats)
+        print_callers(figures[CALLERS])
     if selected(DATA_PARALLEL, only):  # under mpiexec, on 1 and 2 ranks
         figures[DATA_PARALLEL] = run_data_parallel(mode)
         print_data_parallel(figures[DATA_PARALLEL])
@@ -127,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     figures["ratios"] = {w["name"]: report.ratios(w, s.cores, default)
                          for w in figures["workloads"]}
     figures["targets"] = report.targets(figures["workloads"], s.cores, default,
-                                        figures.get("sweep"))
+                                        figures.get("sweep"), figures.get(CALLERS),
+                                        free_threaded=not facts["gil_enabled"])
     if figures["targets"]:
         report.print_targets(figures["targets"], mode)
     figures["seconds"] = time.perf_counter() - started

@@ -19,6 +19,7 @@ import os
 import platform
 import statistics
 import sys
+import sysconfig
 import time
 import tracemalloc
 from collections.abc import Callable, Iterable
@@ -53,18 +54,31 @@ def minor_faults() -> int | None:
     return None if resource is None else resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+# Without the GIL, CPython's collector is not generational: every automatic collection
+# walks the whole heap, and one landing in a timed backward moved it by 50% (two runs of
+# one engine differed by 1.4x). So there the collector is off while a trial is timed, as
+# it is collected right before.
+GC_OFF_WHILE_TIMED = bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
+
+
 def time_trial(trial: Trial) -> Run:
     """Time one forward and backward of ``trial``."""
     if trial.prepare is not None:
         trial.prepare()
     gc.collect()
-    start = time.perf_counter()
-    state = trial.forward()
-    faults = minor_faults()
-    middle = time.perf_counter()
-    grad = trial.backward(state)
-    end = time.perf_counter()
-    after = minor_faults()
+    if GC_OFF_WHILE_TIMED:
+        gc.disable()
+    try:
+        start = time.perf_counter()
+        state = trial.forward()
+        faults = minor_faults()
+        middle = time.perf_counter()
+        grad = trial.backward(state)
+        end = time.perf_counter()
+        after = minor_faults()
+    finally:
+        if GC_OFF_WHILE_TIMED:
+            gc.enable()
     return Run(middle - start, end - middle,
                None if faults is None or after is None else after - faults, grad)
 
@@ -176,6 +190,7 @@ def machine_facts() -> dict[str, Any]:
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
         "python": f"{platform.python_implementation()} {platform.python_version()}",
         "gil_enabled": getattr(sys, "_is_gil_enabled", lambda: True)(),
+        "free_threaded_build": bool(sysconfig.get_config_var("Py_GIL_DISABLED")),
         "platform": platform.platform(),
         "numpy": np.__version__,
         "blas": [{key: pool.get(key) for key in

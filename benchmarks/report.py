@@ -49,7 +49,7 @@ from collections.abc import Callable
 from typing import Any
 
 from benchmarks.peers import TORCH
-from benchmarks.suite import SEQUENTIAL, ceiling_names
+from benchmarks.suite import EVERY_NODE, SEQUENTIAL, ceiling_names
 
 
 def median(workload: dict[str, Any], contender: str, part: str = "backward") -> float:
@@ -69,6 +69,17 @@ def ceiling_speedup(workload: dict[str, Any], cores: int) -> float | None:
         return None
     best = min(median(workload, threads), median(workload, threads_blas_1))
     return median(workload, SEQUENTIAL) / best
+
+
+def threads_speedup(workload: dict[str, Any], cores: int) -> float | None:
+    """The plain threads' own speed-up: the kernels inline over the faster ceiling on
+    ``cores`` threads."""
+    inline, threads, threads_blas_1 = ceiling_names(cores)
+    present = workload["contenders"]
+    if threads not in present or inline not in present:
+        return None
+    return median(workload, inline) / min(median(workload, threads),
+                                          median(workload, threads_blas_1))
 
 
 def ratios(workload: dict[str, Any], cores: int, default: str) -> dict[str, float]:
@@ -110,7 +121,8 @@ EXPECTED: list[tuple[str, str, str]] = [
      "the Python around each node on arrays of at most 3x3 (a custom Function's wrapping and "
      "checks, numpy's override protocol for the user's np.cos(t) on Tensors: ~0.7 µs a "
      "call) against PyTorch's C++; around the line on the 300- and 1000-step DAGs"),
-    ("wide-matmul|wide-elementwise|fan-in", r"largest threaded peak memory / sequential .*",
+    ("wide-matmul|wide-elementwise|fan-in|small-branches:.*",
+     r"largest threaded peak memory / sequential .*",
      "branches running at once each hold their working gradients (plain threads pay the "
      "same)"),
     ("deep-elementwise", r"threaded\(\d+\) speed-up",
@@ -175,16 +187,40 @@ def over_fastest(workload: dict[str, Any], contender: str, peers: tuple[str, ...
 
 
 def targets(workloads: list[dict[str, Any]], cores: int, default: str,
-            sweep: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+            sweep: dict[str, Any] | None = None, callers: dict[str, Any] | None = None,
+            *, free_threaded: bool = False) -> list[dict[str, Any]]:
     """Each target of the issue with its measured value (None where it could not be
     measured: a peer not installed, a contender not run). ``sweep``: the rows of
-    ``suite.run_sweep``, if it ran."""
+    ``suite.run_sweep``, if it ran; ``callers``: ``benchmarks.callers``' figures, if it
+    ran. ``free_threaded``: the GIL is off, which adds the targets of small nodes on
+    several threads (docs/performance.md, "Free-threaded Python")."""
     out: list[dict[str, Any]] = []
     for w in workloads:
         name, present = w["name"], w["contenders"]
         reference = median(w, SEQUENTIAL)
         threaded = _threaded(w)
         ceiling = ceiling_speedup(w, cores)
+        if name.startswith("small-branches"):
+            # Against what plain threads gain on these kernels over one plain thread: on
+            # nodes this small the reference's Python dwarfs the kernels themselves.
+            threads = threads_speedup(w, cores)
+            value = (reference / median(w, "threaded(2)") / threads
+                     if threads and "threaded(2)" in present else None)
+            _target(out, f"{name}: threaded(2) speed-up / plain threads' speed-up", value,
+                    0.75, True, "backward")
+            value = (reference / median(w, default) / threads
+                     if threads and default != "threaded(2)" else None)
+            if value is not None:
+                _target(out, f"{name}: {default} speed-up / plain threads' speed-up", value,
+                        0.75, True, "backward")
+        if free_threaded and (name == "tiny-chain" or name == "random-dag:300"):
+            value = reference / median(w, "threaded(2)") if "threaded(2)" in present else None
+            _target(out, f"{name}: threaded(2) speed-up", value,
+                    0.95 if name == "tiny-chain" else 1.0, True, "backward")
+        if free_threaded and EVERY_NODE in present and name in ("tiny-chain",
+                                                                  "small-branches:8x300"):
+            _target(out, f"{name}: {EVERY_NODE} speed-up", reference / median(w, EVERY_NODE),
+                    0.9, True, "backward")
         if name in ("wide-matmul", "wide-elementwise"):
             value = (reference / median(w, "threaded(2)") / ceiling
                      if ceiling and "threaded(2)" in present else None)
@@ -246,6 +282,9 @@ def targets(workloads: list[dict[str, Any]], cores: int, default: str,
             _target(out, f"{name}: largest threaded peak memory / sequential ({worst})",
                     present[worst]["peak_backward_bytes"] / seq_peak, 1.25, False,
                     "peak backward memory")
+    if free_threaded and callers is not None:
+        _target(out, "callers: pargrad 2-thread speed-up / plain python's",
+                callers["pargrad / plain python"], 0.85, True, "forward + backward")
     for engine in dict.fromkeys(["threaded(2)", default]):
         if sweep and engine in next(iter(sweep.values())):
             point = min(sweep, key=lambda k: _of_ceiling(sweep[k], engine, cores))

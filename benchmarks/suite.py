@@ -38,6 +38,7 @@ from benchmarks.workloads import (
 )
 
 SEQUENTIAL = "sequential"
+EVERY_NODE = "threaded(1, all handed off)"
 
 
 @dataclass(frozen=True)
@@ -75,13 +76,16 @@ class Contenders:
     engines: dict[str, pargrad.Engine] = field(default_factory=dict)
     blas_engines: dict[str, pargrad.Engine] = field(default_factory=dict)
     budget_engines: dict[str, pargrad.Engine] = field(default_factory=dict)
+    # On the workloads of tiny nodes: one worker with every node handed off, the cost
+    # of the threaded engine's own per-node path (docs/performance.md, free threading).
+    handoff_engines: dict[str, pargrad.Engine] = field(default_factory=dict)
     peers: dict[str, Any] = field(default_factory=dict)
     skipped_peers: dict[str, str] = field(default_factory=dict)
 
     def threaded(self) -> list[str]:
         """The names of the ThreadedEngine contenders (limit_blas ones last)."""
-        return [name for name in [*self.engines, *self.blas_engines, *self.budget_engines]
-                if name != SEQUENTIAL]
+        return [name for name in [*self.engines, *self.blas_engines, *self.budget_engines,
+                                  *self.handoff_engines] if name != SEQUENTIAL]
 
 
 @contextmanager
@@ -99,6 +103,7 @@ def contenders(workers: tuple[int, ...], cores: int, use_peers: bool) -> Iterato
     if "memory_budget" in inspect.signature(pargrad.ThreadedEngine).parameters:  # compare
         made.budget_engines[f"threaded({d}, memory_budget=0)"] = pargrad.ThreadedEngine(
             workers=d, memory_budget=0)  # runs this code on older commits too
+    made.handoff_engines[EVERY_NODE] = pargrad.ThreadedEngine(workers=1, handoff_threshold=0)
     if use_peers:
         made.peers, made.skipped_peers = peers.load(cores)
     else:
@@ -107,7 +112,7 @@ def contenders(workers: tuple[int, ...], cores: int, use_peers: bool) -> Iterato
         yield made
     finally:
         for engine in [*made.engines.values(), *made.blas_engines.values(),
-                       *made.budget_engines.values()]:
+                       *made.budget_engines.values(), *made.handoff_engines.values()]:
             if isinstance(engine, pargrad.ThreadedEngine):
                 engine.shutdown()
 
@@ -130,6 +135,9 @@ def trials_of(workload: Workload, made: Contenders, cores: int
         engines.update(made.budget_engines)
     for name, engine in engines.items():
         trials[name], kinds[name] = workload.engine_trial(engine), "engine"
+    if workload.tiny_nodes:  # a probe of the engine's cost, not a configuration to use
+        for name, engine in made.handoff_engines.items():
+            trials[name], kinds[name] = workload.engine_trial(engine), "probe"
     inline, threads, threads_blas_1 = ceiling_names(cores)
     for name, (count, blas_1) in {inline: (1, False), threads: (cores, False),
                                   threads_blas_1: (cores, True)}.items():

@@ -122,12 +122,16 @@ def _sum_branches(parts: list[Any]) -> Any:
 _blas_controller: Any = None
 
 
+_TANH_RULE = pargrad.ops.elementwise.tanh.rules[0]
+
+
 def _tanh_backward(g: np.ndarray, ans: np.ndarray) -> np.ndarray:
     """tanh's gradient by pargrad's own rule (numba's fused kernel where installed), so
     that the plain threads run the kernels the engines run: a ceiling computing
-    ``g * (1 - ans * ans)`` in three numpy passes ran below the reference's one."""
-    rule = pargrad.ops.elementwise.tanh.rules[0]
-    return rule(g, ans, None)
+    ``g * (1 - ans * ans)`` in three numpy passes ran below the reference's one. (The
+    rule is found once: without the GIL, two threads looking it up through the same
+    module and op objects for every call slowed each other down.)"""
+    return _TANH_RULE(g, ans, None)
 
 
 def _blas_1() -> Any:
@@ -269,10 +273,87 @@ class WideElementwise(Branchy):
 
     def _backward_branch(self, b: int, values: Any) -> np.ndarray:
         g: np.ndarray = np.broadcast_to(np.float64(1.0), (self.size,))  # sum
+        c, tanh_backward = self.constants[b], _tanh_backward  # read once (as the nodes do)
         for ans in reversed(values):
-            g = g * self.constants[b]    # times the constant
-            g = _tanh_backward(g, ans)   # tanh
+            g = g * c                    # times the constant
+            g = tanh_backward(g, ans)    # tanh
         return g
+
+
+# ----- small-branches -----
+class SmallBranches(WideElementwise):
+    """``width`` independent branches of ``ops`` small ops each (tanh, times a constant,
+    alternately) on 100-element arrays: parallel work whose nodes are all small, which
+    threads can only run at once without the GIL (a free-threaded Python)."""
+
+    tiny_nodes = True
+
+    def __init__(self, width: int = 8, ops: int = 300, size: int = 100, seed: int = 6) -> None:
+        super().__init__(width=width, depth=ops // 2, size=size, seed=seed)
+        self.name = f"small-branches:{width}x{ops}"
+        self.description = (f"{width} independent branches of {ops} ops (tanh, * c) on "
+                            f"{size}-element arrays, summed")
+
+    def ceiling_trial(self, threads: int, blas_1: bool) -> Trial:
+        """The kernels of the backward on ``threads`` persistent plain threads, each
+        working on arrays and constants it made itself. On nodes this small, what the
+        threads share is what limits them without the GIL (every read of a shared object
+        writes its reference count), so the ceiling shares nothing but the code: threads
+        started per call, or reading the forward's arrays, measured below one thread."""
+        crew = _Crew(self, threads)
+
+        def backward(_: object) -> np.ndarray:
+            return crew.run()
+        return Trial(lambda: None, backward)
+
+
+class _Crew:
+    """Plain threads that each own a share of a SmallBranches' branches (their forward
+    values and constants, made on the thread) and run that share's backward kernels
+    whenever ``run`` asks; daemons, idle between calls."""
+
+    def __init__(self, work: SmallBranches, threads: int) -> None:
+        self.work, self.threads = work, threads
+        self.parts: list[np.ndarray | None] = [None] * threads
+        self.go = [threading.Semaphore(0) for _ in range(threads)]
+        self.done = threading.Semaphore(0)
+        self.started = False
+
+    def _serve(self, k: int) -> None:
+        work = self.work
+        mine = range(k, work.width, self.threads)
+        # This thread's own copies: arrays and floats made here, not the forward's.
+        constants = {b: float(repr(work.constants[b])) for b in mine}
+        values = {b: [v.copy() for v in work._forward_branch(b)] for b in mine}
+        go, done, size, tanh_backward = self.go[k], self.done, work.size, _tanh_backward
+        while True:
+            go.acquire()
+            total = None
+            for b in mine:
+                c = constants[b]
+                g: np.ndarray = np.ones(size)
+                for ans in reversed(values[b]):
+                    g = tanh_backward(g * c, ans)
+                total = g if total is None else total + g
+            self.parts[k] = total
+            done.release()
+
+    def run(self) -> np.ndarray:
+        if not self.started:
+            for k in range(self.threads):
+                threading.Thread(target=self._serve, args=(k,), daemon=True,
+                                 name=f"ceiling-{k}").start()
+            self.started = True
+        for go in self.go:
+            go.release()
+        for _ in range(self.threads):
+            self.done.acquire()
+        total = self.parts[0]
+        assert total is not None
+        for part in self.parts[1:]:
+            assert part is not None
+            total = total + part
+        return total
 
 
 # ----- fan-in -----
@@ -476,11 +557,15 @@ CLASSES: dict[str, Callable[..., Workload]] = {
     "fan-in": FanIn, "mlp-step": MlpStep, "deep-elementwise": DeepElementwise,
     "softmax-xent": SoftmaxXent}
 RANDOM_DAG_STEPS = {"full": (30, 300, 1000), "quick": (30, 300), "smoke": (12,)}
+SMALL_BRANCHES = {"full": ((8, 300), (2, 500)), "quick": ((8, 300), (2, 500)),
+                  "smoke": ((2, 12),)}
+"""(branches, ops per branch) of the small-branches workloads."""
 
 
 def selected(name: str, only: list[str] | None) -> bool:
     """Whether ``--only`` picks workload ``name``: ``wide-matmul`` that workload,
-    ``random-dag`` every size (``random-dag:30``, ...); None picks every workload."""
+    ``random-dag`` every size (``random-dag:30``, ...), ``small-branches`` both shapes;
+    None picks every workload."""
     return only is None or any(name == o or name.startswith(o + ":") for o in only)
 
 
@@ -493,6 +578,8 @@ def make_workloads(mode: str) -> dict[str, Callable[[], Workload]]:
         name: functools.partial(cls, **sized.get(name, {})) for name, cls in CLASSES.items()}
     for steps in RANDOM_DAG_STEPS[mode]:
         made[f"random-dag:{steps}"] = functools.partial(RandomDag, steps)
+    for width, ops in SMALL_BRANCHES[mode]:
+        made[f"small-branches:{width}x{ops}"] = functools.partial(SmallBranches, width, ops)
     return made
 
 

@@ -164,8 +164,10 @@ def test_only_selects_workloads(tmp_path: Path) -> None:
     assert figures["widths"] == {} and "overlap" not in figures
     chain = figures["workloads"][0]
     d = figures["machine"]["pargrad_default_workers"]
+    # ... and, on a workload of tiny nodes, the probe of the engine's per-node cost.
     assert set(chain["contenders"]) == {"sequential", f"threaded({d})", "threaded(3)",
-                                        f"threaded({d}, deterministic)"}
+                                        f"threaded({d}, deterministic)", suite.EVERY_NODE}
+    assert chain["contenders"][suite.EVERY_NODE]["kind"] == "probe"
     assert chain["skipped_peers"] == {"torch": "--no-peers", "hips": "--no-peers"}
     assert "skipped torch: --no-peers" in stdout
 
