@@ -61,12 +61,15 @@ def numpy_step(x: np.ndarray) -> None:
 
 def python_step(_: np.ndarray) -> None:
     total = 0
-    for i in range(6000):
+    for i in range(20000):
         total += i * i % 7
 
 
 STEP_FUNCTIONS: dict[str, Callable[[np.ndarray], None]] = {
     "pargrad": pargrad_step, "plain numpy": numpy_step, "plain python": python_step}
+REPEAT = {"pargrad": 1, "plain numpy": 5, "plain python": 1}
+"""Steps per pargrad step, so that each runs about as long (tens of ms on 2 cores): a
+short run is mostly thread start-up and the machine's noise."""
 
 
 def _run(step: Callable[[np.ndarray], None], threads: int, steps: int) -> float:
@@ -106,7 +109,7 @@ def run_callers(mode: str, repeats: int) -> dict[str, Any]:
     for _ in range(max(3, repeats)):
         for name, step in STEP_FUNCTIONS.items():
             for threads in (1, 2):
-                times[name][threads].append(_run(step, threads, steps))
+                times[name][threads].append(_run(step, threads, steps * REPEAT[name]))
     out: dict[str, Any] = {"steps": steps, "ops": OPS, "engine": repr(pargrad.get_default_engine())}
     for name, by_threads in times.items():
         one, two = statistics.median(by_threads[1]), statistics.median(by_threads[2])
