@@ -154,11 +154,19 @@ class BackwardFuture(Future[T]):
         ``CancelledError`` if it was cancelled, ``TimeoutError`` after ``timeout``, and
         RuntimeError if called from inside a node or hook of this backward.
         """
-        return super().result(self._wait(timeout))
+        try:
+            return super().result(self._wait(timeout))
+        except BaseException as exc:
+            self._interrupted(exc)
+            raise
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The backward's exception, or None; blocks and raises as ``result``."""
-        return super().exception(self._wait(timeout))
+        try:
+            return super().exception(self._wait(timeout))
+        except BaseException as exc:
+            self._interrupted(exc)
+            raise
 
     def _wait(self, timeout: float | None) -> float | None:
         """Help until the backward is over or ``timeout`` passed; return the time left."""
@@ -174,6 +182,21 @@ class BackwardFuture(Future[T]):
         start = time.monotonic()
         work.wait(timeout)
         return None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+
+    def _interrupted(self, exc: BaseException) -> None:
+        """On a Ctrl-C (``exc`` not an ``Exception``) in ``result`` or ``exception``: the
+        backward was cancelled if it still ran (``Work.wait`` does that; so does this).
+        If it was over already, the thread that finished it is resolving this future
+        right now (committing .grad, or undoing what hooks did): wait for that, so that
+        whoever catches the interrupt sees all of it or none of it. (Without the GIL, a
+        caller that went on at once could see part of a commit.)"""
+        work = self._work
+        if isinstance(exc, Exception) or work is None or self.done():
+            return
+        if not work.cancel():
+            with self._condition:
+                while not self.done():
+                    self._condition.wait()
 
     def _fail_after_fork(self) -> None:
         """In a child process just forked: this future's backward ran on the parent's

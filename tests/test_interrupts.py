@@ -487,3 +487,37 @@ def test_random_sigint_two_callers_no_hang_no_partial_commit(interrupts: int) ->
     assert tally.interrupts == interrupts
     assert tally.partial == 0 and tally.wrong == 0 and not tally.hangs, tally
     assert tally.raised_in_backward > 0 and tally.other_calls > 0, tally
+
+
+def test_ctrl_c_in_result_while_another_thread_commits_waits_for_the_commit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backward is over and a worker is committing .grad when a Ctrl-C reaches the
+    thread in ``result()``: it raises only once the commit is whole, so what the caller
+    sees when it catches the interrupt does not change after (without the GIL, it saw a
+    commit half done)."""
+    from pargrad import autograd
+
+    real = autograd._BackwardCall.commit
+    waiting, main = threading.Event(), threading.main_thread()
+
+    def slow_commit(self: Any, kept: Any) -> None:
+        waiting.wait(BOUND)
+        time.sleep(0.02)  # the main thread is blocked in result() by now
+        signal.pthread_kill(main.ident or 0, signal.SIGINT)
+        time.sleep(0.05)  # the interrupt is raised in result() meanwhile
+        real(self, kept)
+
+    monkeypatch.setattr(autograd._BackwardCall, "commit", slow_commit)
+    leaves = [leaf(np.full(2, float(k))) for k in range(4)]
+    loss = sum(((t * t).sum() for t in leaves), pargrad.tensor(0.0))
+    with pargrad.ThreadedEngine(workers=2) as engine:
+        future = pargrad.backward_async(loss, engine=engine)
+        waiting.set()
+        with pytest.raises(KeyboardInterrupt):
+            future.result(timeout=BOUND)
+        seen = [t.grad is not None for t in leaves]
+        time.sleep(0.1)
+        assert [t.grad is not None for t in leaves] == seen
+        assert all(seen)  # it was over: the commit went through, whole
+        for t in leaves:
+            np.testing.assert_array_equal(t.grad.data, 2 * t.data)  # type: ignore[union-attr]

@@ -569,25 +569,29 @@ _ONE = [1]
 
 
 def has_branches(counts: dict[Node, list[int]], roots: AbstractSet[Node], count: int,
-                 within: int = 64) -> bool:
+                 within: int = 32) -> bool:
     """Whether one of the first ``within`` nodes met from ``roots`` (breadth first) of a
     backward without targets is a fork with two branches of ``count`` nodes or more below
     it (``leads_to``): work that two threads could run at once. Bounded: graphs whose
     parallelism starts deeper than that are not seen, and run as if they had none."""
     single, sinks = _OneEdge(counts, roots), _Accumulators()
+    find = counts.get
     seen = set(roots)
     queue = deque(seen)
     while queue and within > 0:
         within -= 1
         branches = []
         for next_node in queue.popleft().next_nodes:
-            if next_node is None or next_node in seen or next_node not in counts:
+            if next_node is None or next_node in seen:
+                continue
+            owed = find(next_node)
+            if owed is None:
                 continue
             seen.add(next_node)
             if isinstance(next_node, AccumulateGrad):
                 continue
             queue.append(next_node)
-            if next_node in single:
+            if owed == _ONE and next_node not in roots:
                 branches.append(next_node)
         if (len(branches) >= 2
                 and sum(leads_to(b, count, single, sinks) for b in branches) >= 2):
