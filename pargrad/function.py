@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -39,6 +39,16 @@ from pargrad.versions import Saved, check, counter_of
 from pargrad.views import view_of
 
 
+class _Saved:
+    """What ``save_for_backward`` kept: the tensors, and their arrays when saved."""
+
+    __slots__ = ("arrays", "tensors")
+
+    def __init__(self) -> None:
+        self.tensors: tuple[Any, ...] | None = ()  # None: freed by a backward
+        self.arrays: tuple[Any, ...] = ()
+
+
 class FunctionCtx:
     """What ``forward`` leaves for ``backward``, and what it says about its outputs.
 
@@ -49,8 +59,10 @@ class FunctionCtx:
 
     def __init__(self, needs_input_grad: tuple[bool, ...]) -> None:
         self.needs_input_grad = needs_input_grad
-        self._saved: tuple[Any, ...] | None = ()
-        self._saved_arrays: tuple[Any, ...] = ()
+        # What forward saved, held here until the node is made; then the node holds it
+        # and this ctx reaches it through the node (``_store``), so that it dies with the
+        # graph even when the ctx is kept elsewhere.
+        self._own: _Saved | None = _Saved()
         self._versions: Saved = ()  # recorded by apply, after forward
         self._dirty: tuple[Tensor, ...] = ()
         self._non_differentiable: tuple[Any, ...] = ()
@@ -61,9 +73,31 @@ class FunctionCtx:
         self._saved_outputs: dict[int, int] = {}
         # The node of this ctx, weakly (the node holds this ctx), None before it is made:
         # once the graph is gone, a ctx kept elsewhere hands out nothing (as PyTorch's).
-        # A weak reference rather than a node's __del__, which would run Python code
-        # wherever the node is freed, so that a Ctrl-C could land in it and be lost.
         self._node: weakref.ref[Node] | None = None
+
+    def _store(self) -> _Saved | None:
+        """Where the saved tensors are: this ctx's own, or its node's; None once the node
+        is gone."""
+        if self._own is not None:
+            return self._own
+        node = None if self._node is None else self._node()
+        return None if node is None else cast(FunctionNode, node).saved
+
+    @property
+    def _saved(self) -> tuple[Any, ...] | None:
+        store = self._store()
+        return None if store is None else store.tensors
+
+    @_saved.setter
+    def _saved(self, tensors: tuple[Any, ...] | None) -> None:
+        store = self._store()
+        if store is not None:
+            store.tensors = tensors
+
+    @property
+    def _saved_arrays(self) -> tuple[Any, ...]:
+        store = self._store()
+        return () if store is None else store.arrays
 
     def _own_outputs(self, node: Node, results: tuple[Any, ...], outputs: list[Any],
                      args: tuple[Any, ...]) -> None:
@@ -88,8 +122,10 @@ class FunctionCtx:
         Their versions are recorded when ``forward`` returns; changing one in place
         before the backward makes ``saved_tensors`` raise.
         """
-        self._saved = tensors
-        self._saved_arrays = tuple(t.data if isinstance(t, Tensor) else None for t in tensors)
+        store = self._store()
+        if store is not None:
+            store.tensors = tensors
+            store.arrays = tuple(t.data if isinstance(t, Tensor) else None for t in tensors)
 
     @property
     def saved_tensors(self) -> tuple[Any, ...]:
@@ -100,7 +136,7 @@ class FunctionCtx:
         ``BackwardError`` naming the node) if one was changed in place since.
         """
         node = None if self._node is None else self._node()
-        if self._saved is None or (node is None and self._node is not None):
+        if self._saved is None:  # freed by a backward, or its graph is gone
             raise RuntimeError(
                 "saved tensors were freed after the first backward; pass retain_graph=True "
                 "to backward through this graph more than once"
@@ -283,7 +319,7 @@ def _output(ctx: FunctionCtx, node: Node | None, i: int, result: Any, array: np.
 class FunctionNode(Node):
     """The backward node of one ``Function.apply`` call."""
 
-    __slots__ = ("ctx", "function", "materialize_grads", "not_tensors")
+    __slots__ = ("ctx", "function", "materialize_grads", "not_tensors", "saved")
 
     # PyTorch calls a custom backward even when none of its outputs got a gradient
     # (with zeros, or Nones under set_materialize_grads(False)).
@@ -298,6 +334,11 @@ class FunctionNode(Node):
                                              for o in outputs), device)
         self.function = function
         self.ctx = ctx
+        # The node holds what forward saved; the ctx reaches it through a weak reference
+        # (not a __del__ of the node, which would run Python code wherever the node is
+        # freed, so that a Ctrl-C could land in it and be lost).
+        self.saved = ctx._own if ctx._own is not None else _Saved()
+        ctx._own = None
         ctx._node = weakref.ref(self)
         self.materialize_grads = ctx._materialize_grads
         # Outputs that are not tensors: their gradient is always None.
@@ -307,8 +348,8 @@ class FunctionNode(Node):
         return f"{self.function.__name__}Backward"
 
     def _free_saved(self) -> bool:
-        had_saved = bool(self.ctx._saved)
-        self.ctx._saved = None
+        had_saved = bool(self.saved.tensors)
+        self.saved.tensors = None
         return had_saved
 
     def _run_pre_hooks(self, hooks: NodeHooks, grads: tuple[Grad, ...]) -> tuple[Grad, ...]:

@@ -66,6 +66,10 @@ class Work(Protocol):
     def inside(self) -> bool:
         """Whether the calling thread is inside a node (or hook) of the backward."""
 
+    def resolving(self) -> bool:
+        """Whether the backward is over and another thread is resolving its future now
+        (running its done-callbacks: a commit of .grad among them)."""
+
     def wait(self, timeout: float | None) -> None:
         """Return once the backward is over, or after ``timeout`` seconds; may run
         ready nodes meanwhile."""
@@ -194,9 +198,11 @@ class BackwardFuture(Future[T]):
         if isinstance(exc, Exception) or work is None or self.done():
             return
         if not work.cancel():
+            # Only while its resolution runs: one whose done-callback raised a
+            # BaseException may never resolve, and a failed backward commits nothing.
             with self._condition:
-                while not self.done():
-                    self._condition.wait()
+                while not self.done() and work.resolving():
+                    self._condition.wait(0.01)
 
     def _fail_after_fork(self) -> None:
         """In a child process just forked: this future's backward ran on the parent's

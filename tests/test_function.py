@@ -243,3 +243,37 @@ def test_saved_tensor_given_new_data_is_refused(engine: pargrad.Engine) -> None:
     with pytest.raises(pargrad.BackwardError, match=r"saved tensor 0 was given new \.data"):
         out.backward()
     assert x.grad is None
+
+
+def test_a_ctx_kept_after_its_graph_is_gone_keeps_nothing_alive() -> None:
+    """What forward saved dies with the node, even while the ctx lives elsewhere (the node
+    holds it, the ctx only reaches it): the saved input and the graph above it are freed,
+    and the ctx then refuses to hand them out. No Python code runs when the node dies."""
+    import gc
+    import weakref
+
+    kept: list[Any] = []
+
+    class Halve(pargrad.Function):
+        @staticmethod
+        def forward(ctx: Any, x: pargrad.Tensor) -> np.ndarray:
+            ctx.save_for_backward(x)
+            kept.append(ctx)
+            return x.data / 2
+
+        @staticmethod
+        def backward(ctx: Any, g: pargrad.Tensor) -> pargrad.Tensor:
+            return g / 2
+
+    leaf = pargrad.tensor([4.0, -2.0], requires_grad=True)
+    middle = pargrad.exp(leaf)
+    out = Halve.apply(middle)
+    (saved,) = kept[0].saved_tensors
+    assert saved is middle
+    assert not hasattr(type(out.grad_fn), "__del__")  # no finalizer a Ctrl-C can land in
+    middle_alive, node_alive = weakref.ref(middle), weakref.ref(middle.grad_fn)
+    del out, middle, saved
+    gc.collect()
+    assert middle_alive() is None and node_alive() is None
+    with pytest.raises(RuntimeError, match="saved tensors were freed"):
+        _ = kept[0].saved_tensors

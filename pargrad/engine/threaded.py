@@ -207,6 +207,10 @@ class _AsyncWork:
         task = self.task
         return task is not None and waits_for_itself(task)
 
+    def resolving(self) -> bool:
+        task = self.task  # None once _settle resolved the future (or gave up on it)
+        return task is not None and task.done.is_set()
+
     def wait(self, timeout: float | None) -> None:
         """Run ready work of this thread's device until the task is over, or until
         ``timeout``: checked between nodes, and once it has passed, the nodes this
