@@ -8,15 +8,16 @@ The work is cut as in PyTorch's engine:
   waits for is over (everyone else), or a deadline passed (``result(timeout)``).
 - ``run_nodes``: run a node and the ready nodes it keeps on this thread (a private
   heap), inside the task's scope (``TaskScope``), then hand the rest on (``schedule``).
-- ``evaluate``: one node: its tensor hooks and the gradients kept of it, its backward,
+  Each node in its frame: its tensor hooks and the gradients kept of it, its backward,
   then the delivery of its gradients along its edges; an error is triaged apart, by
   ``fail``.
 
 Guarantees (the module doc of ``engine/threaded.py`` has the whole contract):
 - Every node counted in a task is finished exactly once (``GraphTask.finish``), also when
   it fails, when its task is cancelled, and under Ctrl-C: the Gate lets a Ctrl-C raise
-  only inside a node's code (``evaluate``) and at the top of ``run_nodes``' loop, where
-  what is counted and not finished is exactly the private heap.
+  only inside a node's code and at the top of ``run_nodes``' loop, where what is
+  counted and not finished is exactly the private heap (and the chain's next node,
+  which goes back on it first).
 - A node runs with the thread state of its task (``TaskScope``): grad mode
   ``create_graph``, the caller's anomaly mode, its engine current, the task on the
   running stack; a thread's own state is restored when it leaves.

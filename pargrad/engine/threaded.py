@@ -51,8 +51,8 @@ Assumptions: no GIL. Shared state is guarded by the locks named at each field
 (docs/design.md keeps the table); thread-local state (``loop.state``) is per thread.
 
 The loop itself (one ``thread_main`` for workers, callers, helpers and ``result()``
-waiters; ``evaluate`` for one node) is ``engine/loop.py``; the queues and threads are
-``engine/pool.py``'s ``Pool``. This module is the engine: ``execute``,
+waiters; ``run_nodes`` for the nodes a thread runs) is ``engine/loop.py``; the queues
+and threads are ``engine/pool.py``'s ``Pool``. This module is the engine: ``execute``,
 ``execute_async`` and ``shutdown``.
 """
 
