@@ -16,7 +16,6 @@ state shared between threads (sequence numbers, engine and pool bookkeeping) cos
 
 from __future__ import annotations
 
-import gc
 import statistics
 import threading
 import time
@@ -26,7 +25,7 @@ from typing import Any
 import numpy as np
 
 import pargrad
-from benchmarks.measure import GC_OFF_WHILE_TIMED
+from benchmarks.measure import collected
 from pargrad.ops.elementwise import tanh
 
 NAME = "callers"
@@ -83,10 +82,7 @@ def _run(step: Callable[[np.ndarray], None], threads: int, steps: int) -> float:
             step(x)
 
     pool = [threading.Thread(target=body, args=(k,)) for k in range(threads)]
-    gc.collect()
-    if GC_OFF_WHILE_TIMED:
-        gc.disable()
-    try:
+    with collected():
         for thread in pool:
             thread.start()
         start.wait()
@@ -94,9 +90,6 @@ def _run(step: Callable[[np.ndarray], None], threads: int, steps: int) -> float:
         for thread in pool:
             thread.join()
         return time.perf_counter() - began
-    finally:
-        if GC_OFF_WHILE_TIMED:
-            gc.enable()
 
 
 def run_callers(mode: str, repeats: int) -> dict[str, Any]:

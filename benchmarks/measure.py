@@ -22,7 +22,8 @@ import sys
 import sysconfig
 import time
 import tracemalloc
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from importlib import metadata
 from typing import Any, NamedTuple
 
@@ -61,14 +62,26 @@ def minor_faults() -> int | None:
 GC_OFF_WHILE_TIMED = bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
 
 
+@contextmanager
+def collected() -> Iterator[None]:
+    """A garbage collection, then the block; without the GIL, with the collector off
+    until the block is left (``GC_OFF_WHILE_TIMED``)."""
+    gc.collect()
+    if not GC_OFF_WHILE_TIMED:
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def time_trial(trial: Trial) -> Run:
     """Time one forward and backward of ``trial``."""
     if trial.prepare is not None:
         trial.prepare()
-    gc.collect()
-    if GC_OFF_WHILE_TIMED:
-        gc.disable()
-    try:
+    with collected():
         start = time.perf_counter()
         state = trial.forward()
         faults = minor_faults()
@@ -76,9 +89,6 @@ def time_trial(trial: Trial) -> Run:
         grad = trial.backward(state)
         end = time.perf_counter()
         after = minor_faults()
-    finally:
-        if GC_OFF_WHILE_TIMED:
-            gc.enable()
     return Run(middle - start, end - middle,
                None if faults is None or after is None else after - faults, grad)
 
@@ -189,6 +199,7 @@ def machine_facts() -> dict[str, Any]:
         "simd": simd(),
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
         "python": f"{platform.python_implementation()} {platform.python_version()}",
+        # (not pargrad.devices.gil_enabled: --compare runs this on older commits too)
         "gil_enabled": getattr(sys, "_is_gil_enabled", lambda: True)(),
         "free_threaded_build": bool(sysconfig.get_config_var("Py_GIL_DISABLED")),
         "platform": platform.platform(),

@@ -61,25 +61,22 @@ def _threaded(workload: dict[str, Any]) -> list[str]:
             if c["kind"] == "engine" and name != SEQUENTIAL]
 
 
-def ceiling_speedup(workload: dict[str, Any], cores: int) -> float | None:
-    """The reference's backward over the faster ceiling on ``cores`` threads."""
+def ceiling_speedup(workload: dict[str, Any], cores: int, over: str = SEQUENTIAL
+                    ) -> float | None:
+    """``over``'s backward (the reference's by default) over the faster ceiling on
+    ``cores`` threads."""
     _, threads, threads_blas_1 = ceiling_names(cores)
     present = workload["contenders"]
-    if threads not in present:
+    if threads not in present or over not in present:
         return None
     best = min(median(workload, threads), median(workload, threads_blas_1))
-    return median(workload, SEQUENTIAL) / best
+    return median(workload, over) / best
 
 
 def threads_speedup(workload: dict[str, Any], cores: int) -> float | None:
     """The plain threads' own speed-up: the kernels inline over the faster ceiling on
     ``cores`` threads."""
-    inline, threads, threads_blas_1 = ceiling_names(cores)
-    present = workload["contenders"]
-    if threads not in present or inline not in present:
-        return None
-    return median(workload, inline) / min(median(workload, threads),
-                                          median(workload, threads_blas_1))
+    return ceiling_speedup(workload, cores, over=ceiling_names(cores)[0])
 
 
 def ratios(workload: dict[str, Any], cores: int, default: str) -> dict[str, float]:

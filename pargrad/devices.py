@@ -18,6 +18,7 @@ made through ``xp``; the engines' scheduling would not change.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from types import ModuleType
 from typing import Any
@@ -116,6 +117,13 @@ def device(spec: str | Device) -> Device:
             found = _devices[(kind, index)] = Device(kind, index)
     _named[spec] = found
     return found
+
+
+def gil_enabled() -> bool:
+    """Whether the GIL is on now: always before 3.13; on a free-threaded 3.13+ build off,
+    until an extension module that does not support running without it is imported."""
+    check = getattr(sys, "_is_gil_enabled", None)
+    return True if check is None else bool(check())
 
 
 def available_cores() -> int:

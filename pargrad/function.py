@@ -88,12 +88,6 @@ class FunctionCtx:
         store = self._store()
         return None if store is None else store.tensors
 
-    @_saved.setter
-    def _saved(self, tensors: tuple[Any, ...] | None) -> None:
-        store = self._store()
-        if store is not None:
-            store.tensors = tensors
-
     @property
     def _saved_arrays(self) -> tuple[Any, ...]:
         store = self._store()
@@ -337,8 +331,9 @@ class FunctionNode(Node):
         # The node holds what forward saved; the ctx reaches it through a weak reference
         # (not a __del__ of the node, which would run Python code wherever the node is
         # freed, so that a Ctrl-C could land in it and be lost).
-        self.saved = ctx._own if ctx._own is not None else _Saved()
-        ctx._own = None
+        saved = ctx._own
+        assert saved is not None  # a ctx gets one node, made right after its forward
+        self.saved, ctx._own = saved, None
         ctx._node = weakref.ref(self)
         self.materialize_grads = ctx._materialize_grads
         # Outputs that are not tensors: their gradient is always None.

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import sys
 import threading
 from collections.abc import Callable, Collection, Container, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -27,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pargrad import anomaly
-from pargrad.devices import CPU, Device
+from pargrad.devices import CPU, Device, gil_enabled
 from pargrad.hooks import Hook, NodeHooks, RemovableHandle
 from pargrad.shapes import sum_to
 
@@ -90,8 +89,7 @@ def _next_locked() -> int:
 
 
 next_sequence_nr: Callable[[], int] = (
-    _sequence_counter.__next__ if getattr(sys, "_is_gil_enabled", lambda: True)()
-    else _next_locked)
+    _sequence_counter.__next__ if gil_enabled() else _next_locked)
 """Return the next forward sequence number (unique, increasing, thread-safe)."""
 
 
@@ -506,6 +504,11 @@ def reachable(roots: Iterable[Node], within: Container[Node] | None = None
                     owed[nrs[i]] = 1
                 push(next_node)
     return counts
+
+
+ONE_EDGE = [1]
+"""The counts of a one-output node that exactly one edge reaches (or that one edge still
+owes a gradient): compared with ``==``, never changed."""
 
 
 class Dependencies:

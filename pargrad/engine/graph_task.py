@@ -30,7 +30,6 @@ says.
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Set as AbstractSet
@@ -44,6 +43,7 @@ from pargrad.engine import trace
 from pargrad.engine.base import BackwardRequest, Engine
 from pargrad.engine.buffer import InputBuffer, Key, OrderedInputBuffer
 from pargrad.graph import (
+    ONE_EDGE,
     AccumulateGrad,
     BackwardError,
     Dependencies,
@@ -130,17 +130,6 @@ class _Stripe:
         self.buffers: dict[Node, InputBuffer | OrderedInputBuffer] = {}
 
 
-def gil_enabled() -> bool:
-    """Whether the GIL is on now (it is always, before 3.13; a free-threaded 3.13+ turns
-    it on when it imports an extension that does not support running without it)."""
-    check = getattr(sys, "_is_gil_enabled", None)
-    return True if check is None else bool(check())
-
-
-_ONE = [1]
-"""The counts of a one-output node that one edge reaches."""
-
-
 class TaskView:
     """What a task says of its nodes, read by one thread for every node it runs: the
     nodes that one edge reaches (``single``), the sinks, and the nodes whose gradients
@@ -172,14 +161,14 @@ def classify(counts: dict[Node, list[int]], root_nodes: AbstractSet[Node],
     targets, a target with nothing needed beyond it). ``wanted``: the nodes that run and
     whose gradients are kept too."""
     # Loops in C (compress, map): every backward on the threaded path makes these.
-    single = frozenset(compress(counts, map(_ONE.__eq__, counts.values())))
+    single = frozenset(compress(counts, map(ONE_EDGE.__eq__, counts.values())))
     if not single.isdisjoint(root_nodes):
         single = single.difference(root_nodes)
     sinks = list(compress(counts, map(isinstance, counts, repeat(AccumulateGrad))))
     if must_run is not None:
         sinks += [node for node in counts if not must_run[node]]
     sink_set = frozenset(sinks)
-    return TaskView(frozenset(single), sink_set, frozenset(kept).difference(sink_set))
+    return TaskView(single, sink_set, frozenset(kept).difference(sink_set))
 
 
 class InlineRun:
@@ -305,7 +294,7 @@ class GraphTask:
         """This thread's TaskView of the task (see there): the task's own on the thread
         that made it or with the GIL on; else a copy made on this thread's first call."""
         ident = threading.get_ident()
-        if ident == self._creator or gil_enabled():
+        if ident == self._creator or devices.gil_enabled():
             return self._shared
         view = self._views.get(ident)
         if view is None:

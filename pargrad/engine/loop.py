@@ -46,7 +46,7 @@ from pargrad.engine.graph_task import GraphTask, InlineRun, NodeTask, Ready
 from pargrad.engine.ready_queue import Flag, ReadyQueue
 from pargrad.engine.trace import Counters, Log, Trace, now, recording
 from pargrad.grad_mode import _set_enabled, is_grad_enabled
-from pargrad.graph import AccumulateGrad, BackwardError, Grad, Node
+from pargrad.graph import ONE_EDGE, AccumulateGrad, BackwardError, Grad, Node
 from pargrad.interrupts import HELD, NODE, POLL, Gate, current_gate
 from pargrad.parallel import Job
 
@@ -554,7 +554,7 @@ class _OneEdge:
         self._counts, self._roots = counts, roots
 
     def __contains__(self, node: object) -> bool:
-        return self._counts.get(node) == _ONE and node not in self._roots  # type: ignore[call-overload]
+        return self._counts.get(node) == ONE_EDGE and node not in self._roots  # type: ignore[call-overload]
 
 
 class _Accumulators:
@@ -565,8 +565,6 @@ class _Accumulators:
     def __contains__(self, node: object) -> bool:
         return isinstance(node, AccumulateGrad)
 
-
-_ONE = [1]
 
 
 def has_branches(counts: dict[Node, list[int]], roots: AbstractSet[Node], count: int,
@@ -592,7 +590,7 @@ def has_branches(counts: dict[Node, list[int]], roots: AbstractSet[Node], count:
             if isinstance(next_node, AccumulateGrad):
                 continue
             queue.append(next_node)
-            if owed == _ONE and next_node not in roots:
+            if owed == ONE_EDGE and next_node not in roots:
                 branches.append(next_node)
         if (len(branches) >= 2
                 and sum(leads_to(b, count, single, sinks) for b in branches) >= 2):

@@ -37,6 +37,7 @@ from pargrad.engine.buffer import InputBuffer
 from pargrad.engine.trace import ThreadCounts
 from pargrad.grad_mode import set_grad_enabled
 from pargrad.graph import (
+    ONE_EDGE,
     AccumulateGrad,
     BackwardError,
     Edge,
@@ -154,8 +155,10 @@ def run_graph(roots: Sequence[Edge], grads: Sequence[Grad], counts: dict[Node, l
                     owed = find(next_node)
                     if owed is None:  # leads nowhere needed (with inputs)
                         continue
-                    if owed == _ONE and next_node not in buffers:  # the one edge into a one-output
-                        owed[0] = 0  # node: ready with just this gradient, no buffer needed
+                    # The one edge into a one-output node: ready with just this gradient,
+                    # no buffer needed.
+                    if owed == ONE_EDGE and next_node not in buffers:
+                        owed[0] = 0
                         if ready or follow is not None:
                             heappush(ready, (-next_node.sequence_nr, next_node, [grad]))
                         else:
@@ -183,8 +186,6 @@ def run_graph(roots: Sequence[Edge], grads: Sequence[Grad], counts: dict[Node, l
             tally.nodes += ran
 
 
-_ONE = [1]
-"""The counts of a one-output node that one edge still owes a gradient."""
 _NONE_OWED = [0]
 """The counts of a one-output node that no edge owes a gradient."""
 

@@ -71,17 +71,11 @@ from types import TracebackType
 
 from pargrad import devices
 from pargrad.anomaly import set_detect_anomaly
-from pargrad.devices import CPU, Device, available_cores
+from pargrad.devices import CPU, Device, available_cores, gil_enabled
 from pargrad.devices import device as as_device
 from pargrad.engine import blas
 from pargrad.engine.base import BackwardRequest, Engine, _engine_stack
-from pargrad.engine.graph_task import (
-    GraphTask,
-    InlineRun,
-    NodeTask,
-    Ready,
-    gil_enabled,
-)
+from pargrad.engine.graph_task import GraphTask, InlineRun, NodeTask, Ready
 from pargrad.engine.loop import (
     TaskScope,
     current_task,
