@@ -88,11 +88,6 @@ class FunctionCtx:
         store = self._store()
         return None if store is None else store.tensors
 
-    @property
-    def _saved_arrays(self) -> tuple[Any, ...]:
-        store = self._store()
-        return () if store is None else store.arrays
-
     def _own_outputs(self, node: Node, results: tuple[Any, ...], outputs: list[Any],
                      args: tuple[Any, ...]) -> None:
         """Note the saved tensors that ``forward`` returned as differentiable outputs:
@@ -130,18 +125,19 @@ class FunctionCtx:
         ``BackwardError`` naming the node) if one was changed in place since.
         """
         node = None if self._node is None else self._node()
-        if self._saved is None:  # freed by a backward, or its graph is gone
+        store = self._own if node is None else cast(FunctionNode, node).saved
+        if store is None or store.tensors is None:  # its graph is gone, or a backward freed it
             raise RuntimeError(
                 "saved tensors were freed after the first backward; pass retain_graph=True "
                 "to backward through this graph more than once"
             )
-        check_saved_data(self._saved, self._saved_arrays, "saved tensor")
+        check_saved_data(store.tensors, store.arrays, "saved tensor")
         check(self._node_name, self._versions, "saved tensor")
         if node is None or not self._saved_outputs:
-            return self._saved
-        saved = list(self._saved)
+            return store.tensors
+        saved = list(store.tensors)
         for k, i in self._saved_outputs.items():  # (the node's outputs, as PyTorch's)
-            output = Tensor._make(self._saved_arrays[k], node, i, node.device)
+            output = Tensor._make(store.arrays[k], node, i, node.device)
             output._counter = counter_of(saved[k])
             saved[k] = output
         return tuple(saved)

@@ -143,7 +143,7 @@ def _saved(node: Node) -> list[tuple[str, np.ndarray]]:
             found += [(f"arg {k}", a) for k, a in enumerate(node.saved_arrays or ())]
             found += [(f"output {k}", a) for k, a in enumerate(node.saved_outputs or ())]
     elif isinstance(node, FunctionNode):
-        saved = node.ctx._saved or ()
+        saved = node.saved.tensors or ()
         found += [(f"saved {k}", t.data if isinstance(t, Tensor) else t)
                   for k, t in enumerate(saved)]
     return [(role, a) for role, a in found if isinstance(a, np.ndarray)]
