@@ -9,9 +9,9 @@ tensor([5., 7.], dtype=float64)
 """
 
 from pargrad import fork as _fork  # noqa: F401  (registers the os.register_at_fork handlers)
+from pargrad import memory, random, viz
 from pargrad import nn as nn  # pargrad.nn: modules, layers and losses, as torch.nn
 from pargrad import optim as optim  # pargrad.optim: optimizers and schedulers, as torch.optim
-from pargrad import random, viz
 from pargrad.anomaly import (
     detect_anomaly,
     is_anomaly_check_nan_enabled,
@@ -53,6 +53,7 @@ from pargrad.gradcheck import GradcheckError, gradcheck, gradgradcheck
 from pargrad.graph import AccumulateGrad, BackwardError, Node
 from pargrad.hooks import register_multi_grad_hook
 from pargrad.losses import binary_cross_entropy_with_logits, cross_entropy, mse_loss, nll_loss
+from pargrad.memory import empty_cache, memory_stats
 from pargrad.ops import (
     argmax,
     argmin,
@@ -121,11 +122,12 @@ __all__ = [
     "ThreadedEngine", "abs", "add", "arange", "argmax", "argmin", "astype", "backward",
     "backward_async", "binary_cross_entropy_with_logits", "broadcast_to", "checkpoint",
     "clip", "concatenate", "copy", "cos", "cross_entropy", "cumsum", "current_engine",
-    "detect_anomaly", "device", "divide", "dot", "empty", "enable_grad", "exp",
+    "detect_anomaly", "device", "divide", "dot", "empty", "empty_cache", "enable_grad", "exp",
     "expand_dims", "expm1", "eye", "from_numpy", "full", "full_like", "get_default_engine",
     "grad", "grad_async", "gradcheck", "gradgradcheck", "is_anomaly_check_nan_enabled",
     "is_anomaly_enabled", "is_grad_enabled", "linspace", "log", "log1p", "log_softmax",
-    "logsumexp", "matmul", "max", "maximum", "mean", "min", "minimum", "mse_loss",
+    "logsumexp", "matmul", "max", "maximum", "mean", "memory", "memory_stats", "min",
+    "minimum", "mse_loss",
     "multiply", "negative", "nll_loss", "no_grad", "once_differentiable", "ones",
     "ones_like", "outer", "power", "prod", "profile", "queue_callback", "rand", "randn",
     "random", "register_multi_grad_hook", "relu", "reshape", "set_default_engine",

@@ -41,7 +41,7 @@ from __future__ import annotations
 import os
 import threading
 
-from pargrad import anomaly, devices, grad_mode, graph, hooks, tensor, versions
+from pargrad import anomaly, devices, grad_mode, graph, hooks, memory, tensor, versions
 from pargrad import futures as _futures
 from pargrad.engine import blas, selection, threaded, trace
 
@@ -65,6 +65,7 @@ GLOBAL_LOCKS: tuple[threading.Lock, ...] = (
     blas._gate_lock,
     trace._profiles_lock,
     trace._task_lock,
+    memory._lock,
 )
 """Every process-wide lock of pargrad but the mode counts' two (made anew in the child
 instead), in the order the fork handler takes them."""

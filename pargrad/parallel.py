@@ -39,6 +39,8 @@ from typing import Any
 
 import numpy as np
 
+from pargrad import memory
+
 Offer = Callable[["Job", int], int]
 """Hands a job to up to ``count`` idle threads; returns how many took it."""
 
@@ -106,9 +108,9 @@ def elementwise(fn: Callable[..., Any], args: Sequence[Any],
         return fn(*[a if f is None else f[piece] for a, f in zip(args, flat)], **params)
 
     first = part(0)
-    if type(first) is not np.ndarray or first.shape != (chunk,) or first.base is not None:
+    if type(first) is not np.ndarray or first.shape != (chunk,) or not memory.owns_itself(first):
         return None
-    out = np.empty(size, first.dtype)
+    out = memory.empty((size,), first.dtype)  # from pargrad's pool (memory.py)
     out[:chunk] = first
     del first
 

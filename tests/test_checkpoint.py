@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pargrad
-from pargrad import Tensor, checkpoint
+from pargrad import Tensor, checkpoint, memory
 from tests.conftest import CANONICAL
 
 RNG = np.random.default_rng(3)
@@ -329,6 +329,7 @@ def mlp_peak(weights: list[Tensor], x: np.ndarray, segment: int | None) -> tuple
 
     for w in weights:
         w.grad = None
+    memory.empty_cache()  # blocks kept from before would be reused untraced
     tracemalloc.start()
     try:
         h = pargrad.tensor(x)

@@ -16,11 +16,20 @@ from __future__ import annotations
 
 import numpy as np
 
+from pargrad import memory
 from pargrad.graph import Grad
 
 _add = np.add
 """numpy's add, called with ``out`` positional: ~100 ns less per call than ``out=`` on
 the small arrays where the call is most of the cost."""
+
+def _sum(total: np.ndarray, grad: np.ndarray) -> np.ndarray:
+    """``total + grad`` in a new array; a large one from pargrad's pool (its memory comes
+    back to the pool when nothing sees the sum any more: pargrad/memory.py)."""
+    if total.nbytes >= memory.MIN_BYTES and total.shape == grad.shape and total.dtype == grad.dtype:
+        return _add(total, grad, memory.empty(total.shape, total.dtype))
+    return np.asarray(_add(total, grad))
+
 
 Key = tuple[int, ...]
 """Where a contribution sits in the canonical order: ``(0, root_index)`` for a root
@@ -36,7 +45,7 @@ def accumulate(total: Grad | None, owned: bool, grad: Grad) -> tuple[Grad, bool]
     if owned:
         _add(total, grad, total)
         return total, True
-    return np.asarray(_add(total, grad)), True
+    return _sum(total, grad), True
 
 
 class InputBuffer:
@@ -71,7 +80,7 @@ class InputBuffer:
         elif self._owned >> output_nr & 1:
             _add(total, grad, total)
         else:
-            sums[output_nr] = np.asarray(_add(total, grad))
+            sums[output_nr] = _sum(total, grad)
             self._owned |= 1 << output_nr
 
     def take(self) -> list[Grad | None]:

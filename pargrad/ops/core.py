@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
-from pargrad import anomaly, grad_mode, parallel
+from pargrad import anomaly, grad_mode, memory, parallel
 from pargrad.devices import CPU, Device, common_device
 from pargrad.grad_mode import is_grad_enabled
 from pargrad.graph import (
@@ -35,6 +35,7 @@ from pargrad.graph import (
     Node,
     next_sequence_nr,
 )
+from pargrad.ops import large as buffers
 from pargrad.parallel import elementwise, large
 from pargrad.shapes import sum_to
 from pargrad.tensor import Tensor, check_saved_data, saved_versions
@@ -238,8 +239,13 @@ class Op:
                 out = elementwise(self.forward, arrays, params)
                 if out is None:
                     out = self.forward(*arrays, **params)
+            elif params:
+                out = self.forward(*arrays, **params)
+            elif self.ufunc and (array.size >= buffers.OUT_MIN if one
+                                 else buffers.any_large(arrays)):
+                out = buffers.fresh(self.forward, *arrays)  # from pargrad's pool (memory.py)
             else:
-                out = self.forward(*arrays, **params) if params else self.forward(*arrays)
+                out = self.forward(*arrays)
         except (ValueError, IndexError, TypeError) as exc:
             raise _forward_error(self.name, exc, arrays, params) from exc
         if type(out) is not np.ndarray:
@@ -348,9 +354,9 @@ class Op:
         tensors = tuple(Tensor._make(o, node, i, on) for i, o in enumerate(outs))
         if self.view and operands and isinstance(operands[0], Tensor):
             source = operands[0]
-            owner = _owner(source.data)
+            owner = memory.owner(source.data)
             for i, t in enumerate(tensors):
-                if _owner(t.data) is owner:  # a view of the source's memory
+                if memory.owner(t.data) is owner:  # a view of the source's memory
                     t._counter = counter_of(source)
                     t._view = view_of(source, (self, params, i))
         if node is not None and node.reads_output and len(tensors) > 1:
@@ -448,11 +454,6 @@ def _refuse_lossy_mix(name: str, operands: Sequence[Any], dtype: np.dtype) -> No
         f"lost. Convert the other operand to a float array (e.g. take .real, or "
         f".astype(np.float64)), or detach the Tensor if no gradient is wanted"
     )
-
-
-def _owner(array: np.ndarray) -> Any:
-    """The object that owns ``array``'s memory (numpy points every view at it)."""
-    return array if array.base is None else array.base
 
 
 def _reads(rule: Rule) -> tuple[bool, frozenset[int] | None]:

@@ -51,7 +51,7 @@ multiply = defop("multiply", np.multiply,
 def _divide_divisor_rule(g: Any, ans: Any, x: Any, y: Any) -> Any:
     # Reads no ans: x /= y stays legal. Two buffers in the large form (y * y has y's shape).
     if g.size >= large.OUT_MIN and large.plain(g, x):
-        out = np.negative(g)
+        out = large.fresh(np.negative, g)
         np.multiply(out, x, out=out)
         return np.divide(out, y * y, out=out)
     return -g * x / (y * y)
@@ -80,28 +80,28 @@ power = defop("power", np.power,
 # ----- exponentials and powers -----
 def _sqrt_rule(g: Any, ans: Any, x: Any) -> Any:
     if g.size >= large.OUT_MIN and large.plain(g, ans):
-        out = np.multiply(2, ans)
+        out = large.fresh(np.multiply, 2, ans)
         return np.divide(g, out, out=out)
     return g / (2 * ans)
 
 
 def _square_rule(g: Any, ans: Any, x: Any) -> Any:
     if g.size >= large.OUT_MIN and large.plain(g, x):
-        out = np.multiply(g, 2)
+        out = large.fresh(np.multiply, g, 2)
         return np.multiply(out, x, out=out)
     return g * 2 * x
 
 
 def _log1p_rule(g: Any, ans: Any, x: Any) -> Any:
     if g.size >= large.OUT_MIN and large.plain(g, x):
-        out = np.add(1, x)
+        out = large.fresh(np.add, 1, x)
         return np.divide(g, out, out=out)
     return g / (1 + x)
 
 
 def _expm1_rule(g: Any, ans: Any, x: Any) -> Any:
     if g.size >= large.OUT_MIN and large.plain(g, ans):
-        out = np.add(ans, 1)
+        out = large.fresh(np.add, ans, 1)
         return np.multiply(g, out, out=out)
     return g * (ans + 1)
 
@@ -118,7 +118,7 @@ expm1 = defop("expm1", np.expm1, _expm1_rule, cut=("forward",))
 def _g_times(f: Any, g: Any, x: Any) -> Any:
     """``g * f(x)``: in the one buffer ``f`` makes, on large plain arrays."""
     if g.size >= large.OUT_MIN and large.plain(g, x):
-        out = f(x)
+        out = large.fresh(f, x)
         return np.multiply(g, out, out=out)
     return g * f(x)
 
@@ -137,7 +137,13 @@ def _relu_rule(g: Any, ans: Any, x: Any) -> Any:
 
 
 abs = defop("absolute", np.absolute, _abs_rule)
-relu = defop("relu", lambda x: np.maximum(x, 0), _relu_rule,
+def _relu(x: Any) -> Any:
+    if type(x) is np.ndarray and x.size >= large.OUT_MIN:
+        return large.fresh(np.maximum, x, 0)
+    return np.maximum(x, 0)
+
+
+relu = defop("relu", _relu, _relu_rule,
              doc="max(x, 0), elementwise; its gradient at 0 is taken as 0.")
 maximum = defop("maximum", np.maximum,
                 lambda g, ans, x, y: np.where(x == y, g / 2, g * (x > y)),
@@ -164,7 +170,7 @@ def _sin_rule(g: Any, ans: Any, x: Any) -> Any:
 def _cos_rule(g: Any, ans: Any, x: Any) -> Any:
     # -(g * s) is (-g) * s: negation is exact.
     if g.size >= large.OUT_MIN and large.plain(g, x):
-        out = np.sin(x)
+        out = large.fresh(np.sin, x)
         np.multiply(g, out, out=out)
         return np.negative(out, out=out)
     return -(g * np.sin(x))
@@ -174,7 +180,7 @@ def _tanh_rule(g: Any, ans: Any, x: Any) -> Any:
     if g.size >= large.OUT_MIN and large.plain(g, ans):
         if (out := fused.elementwise("tanh_backward", g, ans)) is not None:
             return out
-        out = np.multiply(ans, ans)
+        out = large.fresh(np.multiply, ans, ans)
         np.subtract(1, out, out=out)
         return large.times_into(g, out)
     return g * (1 - ans * ans)
@@ -185,7 +191,7 @@ def _sigmoid_rule(g: Any, ans: Any, x: Any) -> Any:
     if g.size >= large.OUT_MIN and large.plain(g, ans):
         if (out := fused.elementwise("sigmoid_backward", g, ans)) is not None:
             return out
-        out = np.subtract(1, ans)
+        out = large.fresh(np.subtract, 1, ans)
         np.multiply(ans, out, out=out)
         return large.times_into(g, out)
     return g * (ans * (1 - ans))
@@ -195,7 +201,7 @@ def _softplus_rule(g: Any, ans: Any, x: Any) -> Any:
     # softplus' = sigmoid, written as sigmoid's forward so that it dispatches on Tensors.
     # Halved last (0.5 * (g * s) is (0.5 * g) * s unless g * s is subnormal).
     if g.size >= large.OUT_MIN and large.plain(g, x):
-        out = np.multiply(0.5, x)
+        out = large.fresh(np.multiply, 0.5, x)
         np.tanh(out, out=out)
         np.add(1, out, out=out)
         np.multiply(g, out, out=out)
@@ -207,10 +213,26 @@ sin = defop("sin", np.sin, _sin_rule, cut=("forward", 0))
 cos = defop("cos", np.cos, _cos_rule, cut=("forward", 0))
 tanh = defop("tanh", np.tanh, _tanh_rule, cut=("forward",))
 # 0.5 * (1 + tanh(x / 2)) is sigmoid without overflow for large |x|.
-sigmoid = defop("sigmoid", lambda x: 0.5 * (1 + np.tanh(0.5 * x)), _sigmoid_rule,
+def _sigmoid(x: Any) -> Any:
+    # Large: the same steps in the one buffer of the result.
+    if type(x) is np.ndarray and x.size >= large.OUT_MIN and x.dtype.kind == "f":
+        out = large.fresh(np.multiply, 0.5, x)
+        np.tanh(out, out=out)
+        np.add(1, out, out=out)
+        return np.multiply(0.5, out, out=out)
+    return 0.5 * (1 + np.tanh(0.5 * x))
+
+
+sigmoid = defop("sigmoid", _sigmoid, _sigmoid_rule,
                 cut=("forward",),
                 doc="1 / (1 + exp(-x)), elementwise, without overflow.")
-softplus = defop("softplus", lambda x: np.logaddexp(0, x), _softplus_rule,
+def _softplus(x: Any) -> Any:
+    if type(x) is np.ndarray and x.size >= large.OUT_MIN:
+        return large.fresh(np.logaddexp, 0, x)
+    return np.logaddexp(0, x)
+
+
+softplus = defop("softplus", _softplus, _softplus_rule,
                  cut=("forward", 0),
                  doc="log(1 + exp(x)), elementwise, without overflow.")
 

@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from pargrad import memory
 from pargrad.ops import large
 from pargrad.parallel import for_chunks
 
@@ -148,7 +149,7 @@ def elementwise(name: str, g: np.ndarray, other: np.ndarray) -> np.ndarray | Non
         return None
     if run is None:
         return None
-    out = np.empty(g.shape)
+    out = memory.empty(g.shape)
     flat_out, flat_other = out.reshape(-1), other.reshape(-1)
     if out.size >= STREAMING_MIN:
         scalar = first.ndim == 0
@@ -169,7 +170,7 @@ def rows(name: str, g: np.ndarray, ans: np.ndarray, axis: int) -> np.ndarray | N
     run = kernel(name)
     if run is None:
         return None
-    out = np.empty(g.shape)
+    out = memory.empty(g.shape)
     width = g.shape[-1]
     run(out.reshape(-1, width), g.reshape(-1, width), ans.reshape(-1, width))
     return out

@@ -17,9 +17,12 @@ operator form too (numpy cannot write into a Tensor).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+from pargrad import memory
 
 OUT_MIN = 1 << 14
 """Elements from which a rule writes into one buffer. Measured on tanh's rule here:
@@ -27,6 +30,7 @@ out= costs 1.14x the operator form at 100 elements, about the same at 1,000-4,00
 0.8x at 16,000 and 0.1-0.4x from 65,536 up (where every temporary is a fresh mapping)."""
 
 _ndarray = np.ndarray
+_SCALARS = (float, int)
 
 
 def plain(*arrays: Any) -> bool:
@@ -37,6 +41,14 @@ def plain(*arrays: Any) -> bool:
     (an attribute and a comparison; a call to this function would cost more).
     """
     return all(type(array) is _ndarray for array in arrays)
+
+
+def any_large(arrays: Any) -> bool:
+    """Whether one of ``arrays`` is an array of at least ``OUT_MIN`` elements."""
+    for a in arrays:  # noqa: SIM110 (a loop: any() would make a generator per op)
+        if type(a) is _ndarray and a.size >= OUT_MIN:
+            return True
+    return False
 
 
 def uniform(g: np.ndarray) -> Any:
@@ -66,3 +78,36 @@ def times_into(g: np.ndarray, out: np.ndarray) -> np.ndarray:
             and value == 1):
         return out
     return np.multiply(g, out, out=out)
+
+
+def fresh(ufunc: Callable[..., Any], *args: Any) -> Any:
+    """``ufunc(*args)`` into a new array from pargrad's pool (pargrad/memory.py): its
+    memory comes back to the pool once nothing can see it, instead of being given back
+    to the system and faulted in again. The same bits as ``ufunc(*args)``. Where the
+    arguments are not plain arrays of one floating dtype (with Python numbers and
+    boolean masks beside them), the plain call: numpy allocates."""
+    found = _result(args)
+    if found is None:
+        return ufunc(*args)
+    return ufunc(*args, out=memory.empty(*found))
+
+
+def _result(args: tuple[Any, ...]) -> tuple[tuple[int, ...], np.dtype[Any]] | None:
+    """The shape and dtype of a ufunc's result on ``args``, where ``fresh`` can tell."""
+    shapes = []
+    dtypes = set()
+    for a in args:
+        if type(a) is _ndarray:
+            shapes.append(a.shape)
+            if a.dtype.kind != "b":  # a mask leaves the result's dtype as it is
+                dtypes.add(a.dtype)
+        elif type(a) not in _SCALARS:
+            return None
+    if len(dtypes) != 1 or (dtype := dtypes.pop()).kind not in "fc":
+        return None
+    if len(set(shapes)) == 1:
+        return shapes[0], dtype
+    try:
+        return np.broadcast_shapes(*shapes), dtype
+    except ValueError:
+        return None  # numpy's own call raises the error

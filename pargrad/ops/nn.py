@@ -27,7 +27,7 @@ def _softmax_rule(g: Any, ans: Any, x: Any, *, axis: int) -> Any:
     if g.size >= large.OUT_MIN and large.plain(g, ans):
         if (out := fused.rows("softmax_backward", g, ans, axis)) is not None:
             return out
-        out = np.multiply(g, ans)
+        out = large.fresh(np.multiply, g, ans)
         total = np.sum(out, axis=axis, keepdims=True)
         np.subtract(g, total, out=out)
         return np.multiply(ans, out, out=out)
@@ -39,7 +39,7 @@ def _log_softmax_rule(g: Any, ans: Any, x: Any, *, axis: int) -> Any:
         if (out := fused.rows("log_softmax_backward", g, ans, axis)) is not None:
             return out
         total = np.sum(g, axis=axis, keepdims=True)
-        out = np.exp(ans)
+        out = large.fresh(np.exp, ans)
         np.multiply(out, total, out=out)
         return np.subtract(g, out, out=out)
     return g - np.exp(ans) * np.sum(g, axis=axis, keepdims=True)

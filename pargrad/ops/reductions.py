@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from pargrad import memory
 from pargrad.numpy_names import numpy_names
 from pargrad.ops import large
 from pargrad.ops.core import (
@@ -53,7 +54,7 @@ def _share_extremum(g: Any, ans: Any, x: Any, *, axis: Axis, keepdims: bool) -> 
     mask = x == _unreduce(ans, axis, keepdims)
     # One buffer besides the mask in the large form (pargrad/ops/large.py).
     if x.size >= large.OUT_MIN and large.plain(x, g, ans):
-        out = np.multiply(_unreduce(g, axis, keepdims), mask)
+        out = large.fresh(np.multiply, _unreduce(g, axis, keepdims), mask)
         return np.divide(out, np.sum(mask, axis=axis, keepdims=True), out=out)
     return _unreduce(g, axis, keepdims) * mask / np.sum(mask, axis=axis, keepdims=True)
 
@@ -84,7 +85,7 @@ def _prod_rule(g: Any, ans: Any, x: Any, *, axis: Axis, keepdims: bool) -> Any:
 def _logsumexp_rule(g: Any, ans: Any, x: Any, *, axis: Axis, keepdims: bool) -> Any:
     # The same steps in one buffer in the large form (pargrad/ops/large.py).
     if x.size >= large.OUT_MIN and large.plain(x, g, ans):
-        out = np.subtract(x, _unreduce(ans, axis, keepdims))
+        out = large.fresh(np.subtract, x, _unreduce(ans, axis, keepdims))
         np.exp(out, out=out)
         return np.multiply(_unreduce(g, axis, keepdims), out, out=out)
     return _unreduce(g, axis, keepdims) * np.exp(x - _unreduce(ans, axis, keepdims))
@@ -94,7 +95,7 @@ def _cumsum_rule(g: Any, ans: Any, x: Any, *, axis: int) -> Any:
     # The gradient of a running sum is the running sum of g from the other end: the total
     # minus the running sum up to each element, plus that element's own g.
     if g.size >= large.OUT_MIN and large.plain(g):
-        out = np.cumsum(g, axis=axis)
+        out = np.cumsum(g, axis=axis, out=memory.empty(g.shape, g.dtype))
         np.subtract(np.sum(g, axis=axis, keepdims=True), out, out=out)
         return np.add(out, g, out=out)
     return np.sum(g, axis=axis, keepdims=True) - np.cumsum(g, axis=axis) + g

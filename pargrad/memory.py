@@ -1,0 +1,305 @@
+"""pargrad's caching allocator: the memory of large arrays, kept and handed out again.
+
+A large numpy array is a fresh mapping from the C allocator, and on Linux glibc gives it
+back to the kernel when it is freed: the next array of that size faults its pages in
+again, one at a time (about 2 µs a page on the project's machine, as much as the
+arithmetic of a streaming kernel). A backward or a training step makes and frees the
+same sizes over and over, so pargrad keeps that memory instead: the ops' forwards and
+gradient rules, gradient accumulation and the fused kernels take arrays of at least
+``MIN_BYTES`` from ``empty``, and the memory of each comes back to a pool of free blocks
+once nothing can see it any more. In steady state nothing is faulted in again.
+
+How ownership stays exact, by construction: a pool owns *blocks* (numpy arrays of bytes,
+of a private subclass); ``empty`` hands out an array made on a fresh *lease*, a plain
+view of a block that every array derived from it holds through its ``base`` (numpy
+collapses a chain of views only down to an array of the same type, so it stops at the
+lease). The pool holds the block, and only a weak reference to the lease. The lease dies
+when the last array that reaches it does, whoever held it: a ``.grad``, a user's hook,
+a retained graph, a view, a memoryview, another thread. Only then does the interpreter
+call the weak reference's callback, which appends it to the pool's ``_returned`` deque
+(a C call: no Python code runs in a finalizer, so Ctrl-C cannot land there), and the
+next call into the pool puts the block back on the free list. No recycled memory is
+ever visible: there is nothing left that could see it.
+
+So the engines' dependency counters decide when a gradient is dead, as they always
+did: the engine drops its reference when the last consumer has run, and with it the
+memory goes back to the pool, within one backward (the next rule reuses it: the seed's
+"double buffering") and across calls.
+
+Guarantees:
+- ``empty(shape, dtype)`` returns a C-contiguous, writable array of that shape and
+  dtype, uninitialised, at the same alignment as ``np.empty``'s (a block's start). It
+  does not own its data (``.flags.owndata`` is False, so ``ndarray.resize`` refuses);
+  everything else is a numpy array like any other.
+- A block is reused for a request of its size in pages, or up to an eighth smaller;
+  free blocks are kept up to ``cache_limit()`` bytes, the rest given back to numpy.
+- Thread-safe: one lock per pool (``Pool._lock``), held for a few dictionary operations,
+  never while numpy allocates or anything else of pargrad's runs.
+- ``memory_stats()`` / ``empty_cache()`` / ``reset_peak_memory_stats()`` after PyTorch's
+  names for its own caching allocator; ``set_enabled(False)`` (or ``PARGRAD_CACHING=0``
+  before import) makes ``empty`` plain ``np.empty``, for comparison.
+
+Devices: the logical CPU devices (``cpu``, ``cpu:1``, ...) share one memory, so they
+share one pool (``pool("cpu")``); another device type would have a pool of its own.
+
+Assumptions: no ``__del__`` of the user's calls pargrad while the pool's lock is held
+(it is held only across dictionary and list operations, which may collect garbage).
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import threading
+import weakref
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+MIN_BYTES = 1 << 17
+"""Arrays from this many bytes come from the pool (128 KiB: glibc's default threshold
+for giving an allocation its own mapping, which is what faults in again)."""
+
+_PAGE = 4096
+_Descr = type(np.dtype(np.float64))
+
+
+def _default_limit() -> int:
+    """A quarter of the machine's memory (1 GiB where it cannot be read), or
+    ``PARGRAD_CACHE_LIMIT`` bytes."""
+    if (text := os.environ.get("PARGRAD_CACHE_LIMIT")) is not None:
+        return int(text)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    except (ValueError, OSError, AttributeError):
+        return 1 << 30
+
+
+class _Block(np.ndarray):
+    """Bytes a pool owns. A type of its own, so that numpy's collapse of view chains
+    stops at the lease above it (module doc)."""
+
+
+class Pool:
+    """The free blocks of one device and the leases handed out of them."""
+
+    def __init__(self, limit: int) -> None:
+        # Guards _free, _sizes, _leased, _cached, _limit, _stats and the peak; held only
+        # for dictionary and list operations.
+        self._lock = threading.Lock()
+        self._free: dict[int, list[_Block]] = {}  # block bytes -> free blocks
+        self._sizes: list[int] = []  # the keys of _free with blocks, sorted
+        self._leased: dict[int, tuple[weakref.ref[np.ndarray], _Block]] = {}
+        # Weak references whose lease died, appended by the interpreter (deque.append is
+        # one C call, safe from any thread and from a collection inside _lock).
+        self._returned: deque[weakref.ref[np.ndarray]] = deque()
+        self._cached = 0  # bytes of the free blocks
+        self._limit = limit
+        # The counters of memory_stats().
+        self._reused = self._new = self._back = self._released = 0
+        self._leased_bytes = self._peak = 0
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype[Any], nbytes: int) -> np.ndarray:
+        """A fresh array of ``nbytes`` (``shape``'s elements of ``dtype``) on a block."""
+        size = (nbytes + _PAGE - 1) & -_PAGE
+        with self._lock:
+            if self._returned:
+                self._reclaim()
+            blocks = self._free.get(size)
+            if blocks is None and self._sizes:
+                blocks = self._near(size)
+            if blocks:
+                block = blocks.pop()
+                if not blocks:
+                    del self._free[block.size]
+                    self._sizes.remove(block.size)
+                self._cached -= block.size
+                self._reused += 1
+            else:
+                block = None
+                self._new += 1
+        if block is None:
+            block = np.ndarray.__new__(_Block, (size,), np.uint8)
+        out = np.ndarray(shape, dtype, block)
+        ref = weakref.ref(out, self._returned.append)
+        with self._lock:
+            self._leased[id(ref)] = (ref, block)
+            self._leased_bytes += block.size
+            if self._leased_bytes > self._peak:
+                self._peak = self._leased_bytes
+        return out
+
+    def _near(self, size: int) -> list[_Block] | None:
+        """The free blocks of the smallest size that fits ``size`` and wastes at most an
+        eighth of it, or None (under ``_lock``)."""
+        sizes = self._sizes
+        i = bisect.bisect_left(sizes, size)
+        if i < len(sizes) and sizes[i] - (sizes[i] >> 3) <= size:
+            return self._free[sizes[i]]
+        return None
+
+    def _reclaim(self) -> None:
+        """Put back the blocks whose arrays all died (under ``_lock``)."""
+        returned = self._returned
+        while returned:
+            _, block = self._leased.pop(id(returned.popleft()))
+            size = block.size
+            self._leased_bytes -= size
+            self._back += 1
+            if self._cached + size > self._limit:
+                self._released += 1
+                continue
+            blocks = self._free.get(size)
+            if blocks is None:
+                self._free[size] = blocks = []
+                bisect.insort(self._sizes, size)
+            blocks.append(block)
+            self._cached += size
+
+    def _drop(self, size: int) -> None:
+        """Give one free block of ``size`` bytes back to numpy (under ``_lock``)."""
+        blocks = self._free[size]
+        blocks.pop()
+        if not blocks:
+            del self._free[size]
+            self._sizes.remove(size)
+        self._cached -= size
+        self._released += 1
+
+    def stats(self) -> dict[str, int]:
+        """``memory_stats()`` of this pool."""
+        with self._lock:
+            self._reclaim()
+            return {"leases": self._reused + self._new, "reused": self._reused,
+                    "allocated_blocks": self._new, "returned": self._back,
+                    "released_blocks": self._released,
+                    "leased_bytes": self._leased_bytes, "peak_leased_bytes": self._peak,
+                    "leased_blocks": len(self._leased), "cached_bytes": self._cached,
+                    "free_blocks": sum(len(b) for b in self._free.values()),
+                    "cache_limit": self._limit}
+
+    def empty_cache(self) -> int:
+        """Give every free block back; return their bytes."""
+        with self._lock:
+            self._reclaim()
+            freed = self._cached
+            while self._sizes:
+                self._drop(self._sizes[-1])
+        return freed
+
+    def set_limit(self, limit: int) -> int:
+        """Set the limit of free bytes, giving back the largest blocks over it."""
+        with self._lock:
+            previous, self._limit = self._limit, limit
+            self._reclaim()
+            while self._cached > limit:
+                self._drop(self._sizes[-1])
+        return previous
+
+    def reset_peak(self) -> None:
+        """Start the peak again from the bytes in use now."""
+        with self._lock:
+            self._reclaim()
+            self._peak = self._leased_bytes
+
+
+_host = Pool(_default_limit())
+_enabled = os.environ.get("PARGRAD_CACHING", "1") != "0"
+_lock = _host._lock
+"""The host pool's lock, for the fork handler's list of process-wide locks."""
+
+
+def pool(device: Any = None) -> Pool:
+    """The pool of ``device`` (a Device, a name, or None: ``cpu``). Every logical CPU
+    device shares the host's one pool."""
+    kind = getattr(device, "type", None) or str(device or "cpu").split(":")[0]
+    if kind != "cpu":
+        raise ValueError(f"pargrad.memory: no pool for device {device!r}")
+    return _host
+
+
+def empty(shape: tuple[int, ...], dtype: Any = np.float64) -> np.ndarray:
+    """An uninitialised C-contiguous array: from the pool if it has at least ``MIN_BYTES``
+    and caching is on, else ``np.empty``'s."""
+    if type(dtype) is not _Descr:
+        dtype = np.dtype(dtype)
+    count = 1
+    for n in shape:
+        count *= n
+    nbytes = count * dtype.itemsize
+    if nbytes < MIN_BYTES or not _enabled or dtype.hasobject:
+        return np.empty(shape, dtype)
+    return _host.empty(shape, dtype, nbytes)
+
+
+def empty_like(a: np.ndarray) -> np.ndarray:
+    """``empty(a.shape, a.dtype)``."""
+    return empty(a.shape, a.dtype)
+
+
+def owns_itself(a: np.ndarray) -> bool:
+    """Whether ``a`` is an array of its own, not a view of another: one that owns its
+    data, or one ``empty`` handed out (its base is the pool's block)."""
+    return a.base is None or type(a.base) is _Block
+
+
+def owner(a: np.ndarray) -> Any:
+    """The object whose memory ``a`` is in: ``a.base`` (numpy points every view at it),
+    or ``a`` if it owns its data; for ``empty``'s arrays and their views, the block."""
+    while isinstance(base := a.base, np.ndarray):
+        a = base
+    return a if base is None else base
+
+
+def enabled() -> bool:
+    """Whether ``empty`` takes large arrays from the pool."""
+    return _enabled
+
+
+def set_enabled(flag: bool) -> bool:
+    """Turn the pool on or off for new arrays (arrays already handed out still come back
+    to it); return the previous setting."""
+    global _enabled
+    previous, _enabled = _enabled, bool(flag)
+    return previous
+
+
+def memory_stats(device: Any = None) -> dict[str, int]:
+    """The pool's counters, every one an int:
+
+    - ``leases``: arrays handed out; ``reused`` of them on a free block,
+      ``allocated_blocks`` on a new one;
+    - ``returned``: leases whose arrays all died; ``released_blocks``: blocks given back
+      to numpy (over the limit, or by ``empty_cache``);
+    - ``leased_bytes`` / ``peak_leased_bytes``: bytes of the blocks in use now / at most
+      since the start or ``reset_peak_memory_stats``; ``leased_blocks``: how many;
+    - ``cached_bytes`` / ``free_blocks``: the free blocks kept; ``cache_limit``.
+    """
+    return pool(device).stats()
+
+
+def empty_cache(device: Any = None) -> int:
+    """Give every free block back to numpy; return their bytes. Blocks in use are not
+    touched (they come back to the pool when their arrays die)."""
+    return pool(device).empty_cache()
+
+
+def reset_peak_memory_stats(device: Any = None) -> None:
+    """Start ``peak_leased_bytes`` again from the bytes in use now."""
+    pool(device).reset_peak()
+
+
+def cache_limit(device: Any = None) -> int:
+    """The most bytes of free blocks the pool keeps."""
+    return pool(device).stats()["cache_limit"]
+
+
+def set_cache_limit(nbytes: int, device: Any = None) -> int:
+    """Keep at most ``nbytes`` of free blocks (giving back the largest over it now);
+    return the previous limit. 0 keeps none: every block goes back to numpy when its
+    arrays die, as without the pool. Default: a quarter of the machine's memory, or
+    ``PARGRAD_CACHE_LIMIT``."""
+    if nbytes < 0:
+        raise ValueError(f"pargrad.memory.set_cache_limit: a limit of {nbytes} bytes")
+    return pool(device).set_limit(int(nbytes))
