@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                          for w in figures["workloads"]}
     figures["targets"] = report.targets(figures["workloads"], s.cores, default,
                                         figures.get("sweep"), figures.get(CALLERS),
-                                        free_threaded=not facts["gil_enabled"])
+                                        free_threaded=not facts["gil_enabled"],
+                                        fused=bool(facts.get("fused_kernels")))
     if figures["targets"]:
         report.print_targets(figures["targets"], mode)
     figures["seconds"] = time.perf_counter() - started

@@ -8,7 +8,8 @@ docs/performance.md); the contenders of a workload take turns within
 each repeat, so that a noisy stretch of time hits them all alike, and the first
 ``warmup`` repeats are dropped. Memory is a separate, untimed pass (tracemalloc slows
 Python down): the peak of traced memory during the backward above what was traced when
-it started; tracemalloc sees numpy's arrays, on every thread.
+it started; tracemalloc sees numpy's arrays, on every thread, and pargrad's pool of large
+arrays keeps no free block during that pass, so that it sees theirs come and go too.
 """
 
 from __future__ import annotations
@@ -132,22 +133,51 @@ def peak_backward_bytes(trial: Trial, repeats: int) -> tuple[int, int]:
     (what the forward's graph held plus that): the first compares engines on one tree,
     the second two trees, whose graphs may hold different amounts after the forward."""
     peaks, absolute = [], []
-    for _ in range(repeats):
-        gc.collect()
-        tracemalloc.start()
-        try:
-            state = trial.forward()
+    with _pool_keeps_nothing():
+        for _ in range(repeats):
             gc.collect()
-            base, _ = tracemalloc.get_traced_memory()
-            tracemalloc.reset_peak()
-            grad = trial.backward(state)
-            _, peak = tracemalloc.get_traced_memory()
-        finally:
-            tracemalloc.stop()
-        del state, grad
-        peaks.append(peak - base)
-        absolute.append(peak)
+            tracemalloc.start()
+            try:
+                state = trial.forward()
+                gc.collect()
+                base, _ = tracemalloc.get_traced_memory()
+                tracemalloc.reset_peak()
+                grad = trial.backward(state)
+                _, peak = tracemalloc.get_traced_memory()
+            finally:
+                tracemalloc.stop()
+            del state, grad
+            peaks.append(peak - base)
+            absolute.append(peak)
     return max(peaks), max(absolute)
+
+
+@contextmanager
+def _pool_keeps_nothing() -> Iterator[None]:
+    """pargrad's pool of large arrays (pargrad/memory.py) keeping no free block: each
+    block goes back to numpy when its array dies and a new one is allocated for every
+    array, so tracemalloc sees the memory of the arrays alive, as it does without the
+    pool (a block kept from before tracing started would be reused unseen). A tree
+    without the pool (``--compare`` on an older commit) is measured as it is."""
+    memory = getattr(importlib.import_module("pargrad"), "memory", None)
+    if memory is None:
+        yield
+        return
+    limit = memory.set_cache_limit(0)
+    try:
+        yield
+    finally:
+        memory.set_cache_limit(limit)
+
+
+def pool_footprint() -> dict[str, int] | None:
+    """What pargrad's pool holds now: ``{"leased_bytes", "cached_bytes"}`` (None for a
+    tree without the pool)."""
+    memory = getattr(importlib.import_module("pargrad"), "memory", None)
+    if memory is None:
+        return None
+    stats = memory.memory_stats()
+    return {"leased_bytes": stats["leased_bytes"], "cached_bytes": stats["cached_bytes"]}
 
 
 def summary(values: Iterable[float]) -> dict[str, Any]:

@@ -38,6 +38,15 @@ And those of issue #13 (large arrays), where "torch" runs at the cores' intra-op
 - the wide workloads: ``threaded(d, memory_budget=0)``'s peak backward memory <= 1.05 x
   the reference's.
 
+And those of issue #34 (pargrad's own memory, one-pass rules):
+
+- wide-elementwise: the default engine's backward <= 1.2 x the fastest torch's (<= 1.0
+  with the fused kernels, and its forward + backward <= 1.0 x too), and at most 100
+  minor page faults per backward;
+- deep-elementwise: the default engine's backward speed-up over the reference >= 0.9 x
+  what two plain threads splitting the same streaming arithmetic gain over one
+  (``ceiling(c)`` over ``ceiling(1)``).
+
 Peak memory against an earlier commit: ``benchmarks/compare.py``.
 """
 
@@ -185,12 +194,14 @@ def over_fastest(workload: dict[str, Any], contender: str, peers: tuple[str, ...
 
 def targets(workloads: list[dict[str, Any]], cores: int, default: str,
             sweep: dict[str, Any] | None = None, callers: dict[str, Any] | None = None,
-            *, free_threaded: bool = False) -> list[dict[str, Any]]:
+            *, free_threaded: bool = False, fused: bool = False) -> list[dict[str, Any]]:
     """Each target of the issue with its measured value (None where it could not be
     measured: a peer not installed, a contender not run). ``sweep``: the rows of
     ``suite.run_sweep``, if it ran; ``callers``: ``benchmarks.callers``' figures, if it
     ran. ``free_threaded``: the GIL is off, which adds the targets of small nodes on
-    several threads (docs/performance.md, "Free-threaded Python")."""
+    several threads (docs/performance.md, "Free-threaded Python"). ``fused``: the
+    fused kernels were on (numba), which tightens the large-array targets against
+    PyTorch."""
     out: list[dict[str, Any]] = []
     for w in workloads:
         name, present = w["name"], w["contenders"]
@@ -218,6 +229,18 @@ def targets(workloads: list[dict[str, Any]], cores: int, default: str,
                                                                   "small-branches:8x300"):
             _target(out, f"{name}: {EVERY_NODE} speed-up", reference / median(w, EVERY_NODE),
                     0.9, True, "backward")
+        if name == "wide-elementwise":
+            # Large arrays: pargrad's pool (no page faults) and one-pass rules.
+            value = over_fastest(w, default, TORCH, "backward")
+            _target(out, f"{name}: {default} / fastest torch, backward", value,
+                    1.0 if fused else 1.2, False, "backward")
+            if fused:
+                value = over_fastest(w, default, TORCH, "total")
+                _target(out, f"{name}: {default} / fastest torch, forward+backward", value,
+                        1.0, False, "forward + backward")
+            faults = present[default]["backward"]["minor_faults"] if default in present else None
+            _target(out, f"{name}: {default} minor page faults per backward", faults, 100,
+                    False, "backward")
         if name in ("wide-matmul", "wide-elementwise"):
             value = (reference / median(w, "threaded(2)") / ceiling
                      if ceiling and "threaded(2)" in present else None)
@@ -263,6 +286,10 @@ def targets(workloads: list[dict[str, Any]], cores: int, default: str,
                         "forward + backward")
         if name == "deep-elementwise":
             _target(out, f"{name}: {default} speed-up", reference / median(w, default), 1.6,
+                    True, "backward")
+            threads = threads_speedup(w, cores)
+            _target(out, f"{name}: {default} speed-up / plain threads' streaming speed-up",
+                    reference / median(w, default) / threads if threads else None, 0.9,
                     True, "backward")
             value = (median(w, default, "total") / median(w, "torch", "total")
                      if "torch" in present else None)

@@ -448,6 +448,53 @@ class DeepElementwise(Workload):
             y = ops.exp(ops.relu(ops.tanh(y) * 1.5 + 0.1)) * 0.3
         return ops.sum(y)
 
+    def ceiling_trial(self, threads: int, blas_1: bool) -> Trial:
+        """The streaming ceiling: the backward's arithmetic (each rule's, in the rules'
+        order) on ``threads`` plain threads, each owning an equal slice of the elements
+        and its buffers allocated once, so that no pass faults memory in: what a second
+        core buys a chain of passes that only stream memory."""
+        n = self.size
+        cuts = [n * k // threads for k in range(threads + 1)]
+        slices = [slice(a, b) for a, b in itertools.pairwise(cuts)]
+        buffers = [(np.empty(s.stop - s.start), np.empty(s.stop - s.start),
+                    np.empty(s.stop - s.start, bool)) for s in slices]
+
+        def forward() -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+            y, saved = self.arrays[0], []
+            for _ in range(self.cycles):
+                t = np.tanh(y)
+                b = t * 1.5 + 0.1
+                e = np.exp(np.maximum(b, 0))
+                saved.append((t, b, e))
+                y = e * 0.3
+            return saved
+
+        def share(k: int, saved: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
+            piece, (g, tmp, mask) = slices[k], buffers[k]
+            g.fill(1.0)  # sum's gradient
+            for t, b, e in reversed(saved):
+                np.multiply(g, 0.3, out=g)                       # * 0.3
+                np.multiply(g, e[piece], out=g)                  # exp: g * ans
+                np.greater(b[piece], 0, out=mask)                # relu: g * (x > 0)
+                np.multiply(g, mask, out=g)
+                np.multiply(g, 1.5, out=g)                       # * 1.5 (+ 0.1: g)
+                np.multiply(t[piece], t[piece], out=tmp)         # tanh: g * (1 - ans^2)
+                np.subtract(1.0, tmp, out=tmp)
+                np.multiply(g, tmp, out=g)
+
+        def backward(saved: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> np.ndarray:
+            if threads == 1:
+                share(0, saved)
+            else:
+                pool = [threading.Thread(target=share, args=(k, saved))
+                        for k in range(threads)]
+                for thread in pool:
+                    thread.start()
+                for thread in pool:
+                    thread.join()
+            return np.concatenate([g for g, _, _ in buffers])
+        return Trial(forward, backward)
+
 
 # ----- softmax-xent -----
 class SoftmaxXent(Workload):
