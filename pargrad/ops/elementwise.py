@@ -31,15 +31,16 @@ add = defop("add", np.add,
             lambda g, ans, x, y: g, needs_values=False)
 subtract = defop("subtract", np.subtract,
                  lambda g, ans, x, y: g,
-                 lambda g, ans, x, y: -g, needs_values=False)
+                 lambda g, ans, x, y: large.neg(g), needs_values=False)
 
 
 def _times(g: Any, other: Any) -> Any:
     # A broadcast of one value (a sum's gradient) times a scalar stays a broadcast: the
     # same bits as g * other, without a pass over the array.
-    if (g.size >= large.OUT_MIN and type(g) is np.ndarray and large.scalar(other)
-            and (value := large.uniform(g)) is not None):
-        return np.broadcast_to(value * other, g.shape)
+    if g.size >= large.OUT_MIN and type(g) is np.ndarray:
+        if large.scalar(other) and (value := large.uniform(g)) is not None:
+            return np.broadcast_to(value * other, g.shape)
+        return large.fresh(np.multiply, g, other)
     return g * other
 
 
@@ -58,10 +59,10 @@ def _divide_divisor_rule(g: Any, ans: Any, x: Any, y: Any) -> Any:
 
 
 divide = defop("divide", np.divide,
-               lambda g, ans, x, y: g / y,
+               lambda g, ans, x, y: large.over(g, y),
                _divide_divisor_rule, cut=(1,))
 negative = defop("negative", np.negative,
-                 lambda g, ans, x: -g, needs_values=False)
+                 lambda g, ans, x: large.neg(g), needs_values=False)
 
 
 def _power_base_rule(g: Any, ans: Any, x: Any, y: Any) -> Any:
@@ -106,8 +107,8 @@ def _expm1_rule(g: Any, ans: Any, x: Any) -> Any:
     return g * (ans + 1)
 
 
-exp = defop("exp", np.exp, lambda g, ans, x: g * ans, cut=("forward",))
-log = defop("log", np.log, lambda g, ans, x: g / x, cut=("forward",))
+exp = defop("exp", np.exp, lambda g, ans, x: large.times(g, ans), cut=("forward",))
+log = defop("log", np.log, lambda g, ans, x: large.over(g, x), cut=("forward",))
 sqrt = defop("sqrt", np.sqrt, _sqrt_rule)
 square = defop("square", np.square, _square_rule)
 log1p = defop("log1p", np.log1p, _log1p_rule, cut=("forward",))
@@ -128,11 +129,12 @@ def _abs_rule(g: Any, ans: Any, x: Any) -> Any:
 
 
 def _relu_rule(g: Any, ans: Any, x: Any) -> Any:
-    # One buffer already (the mask is a byte an element; writing it into the result as
-    # 1.0 / 0.0 first measured slower).
-    if (g.size >= large.OUT_MIN and large.plain(g, x)
-            and (out := fused.elementwise("relu_backward", g, x)) is not None):
-        return out
+    # The mask is a byte an element (writing it into the result as 1.0 / 0.0 first
+    # measured slower).
+    if g.size >= large.OUT_MIN and large.plain(g, x):
+        if (out := fused.elementwise("relu_backward", g, x)) is not None:
+            return out
+        return large.fresh(np.multiply, g, large.mask(np.greater, x, 0))
     return g * (x > 0)
 
 
@@ -154,7 +156,7 @@ minimum = defop("minimum", np.minimum,
 # clip is min(max(x, lo), hi): the gradient goes to x where lo <= x <= hi, else to the
 # bound that was used (hi wherever lo > hi, as numpy then returns hi).
 _clip = defop("clip", np.clip,
-              lambda g, ans, x, lo, hi: g * np.logical_and(x >= lo, x <= hi),
+              lambda g, ans, x, lo, hi: large.times(g, np.logical_and(x >= lo, x <= hi)),
               lambda g, ans, x, lo, hi: g * np.logical_and(x < lo, lo <= hi),
               lambda g, ans, x, lo, hi: g * np.logical_or(x > hi, lo > hi))
 _where = defop("where", np.where,

@@ -101,6 +101,8 @@ def _result(args: tuple[Any, ...]) -> tuple[tuple[int, ...], np.dtype[Any]] | No
             shapes.append(a.shape)
             if a.dtype.kind != "b":  # a mask leaves the result's dtype as it is
                 dtypes.add(a.dtype)
+        elif isinstance(a, np.generic):  # a numpy scalar: its dtype counts (NEP 50)
+            dtypes.add(a.dtype)
         elif type(a) not in _SCALARS:
             return None
     if len(dtypes) != 1 or (dtype := dtypes.pop()).kind not in "fc":
@@ -111,3 +113,35 @@ def _result(args: tuple[Any, ...]) -> tuple[tuple[int, ...], np.dtype[Any]] | No
         return np.broadcast_shapes(*shapes), dtype
     except ValueError:
         return None  # numpy's own call raises the error
+
+
+# The one-operator rules (``g * ans``, ``g / x``, ``-g``): the same operator, into a buffer
+# of the pool on large plain arrays (where numpy's own would be a fresh mapping).
+def times(a: Any, b: Any) -> Any:
+    """``a * b``."""
+    if type(a) is _ndarray and a.size >= OUT_MIN:
+        return fresh(np.multiply, a, b)
+    return a * b
+
+
+def over(a: Any, b: Any) -> Any:
+    """``a / b``."""
+    if type(a) is _ndarray and a.size >= OUT_MIN:
+        return fresh(np.divide, a, b)
+    return a / b
+
+
+def neg(a: Any) -> Any:
+    """``-a``."""
+    if type(a) is _ndarray and a.size >= OUT_MIN:
+        return fresh(np.negative, a)
+    return -a
+
+
+def mask(ufunc: Callable[..., Any], *args: Any) -> Any:
+    """``ufunc(*args)`` (a comparison: a boolean array), into a buffer of the pool
+    where the result is large."""
+    x = args[0]
+    if type(x) is _ndarray and x.size >= OUT_MIN:
+        return ufunc(*args, out=memory.empty(x.shape, np.bool_))
+    return ufunc(*args)
