@@ -350,6 +350,9 @@ def print_workload(w: dict[str, Any]) -> None:
               " grad)")
     for peer, reason in w["skipped_peers"].items():
         print(f"  skipped {peer}: {reason}")
+    if (pool := w.get("pool")) and (pool["leased_bytes"] or pool["cached_bytes"]):
+        print(f"  pargrad's pool after the timed runs: {pool['leased_bytes'] / 2**20:.1f} MB "
+              f"in use, {pool['cached_bytes'] / 2**20:.1f} MB kept free for reuse")
 
 
 def _faults(backward: dict[str, Any]) -> str:

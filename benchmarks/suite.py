@@ -27,7 +27,14 @@ import numpy as np
 
 import pargrad
 from benchmarks import peers
-from benchmarks.measure import backward_summary, measure, peak_backward_bytes, summary, time_trial
+from benchmarks.measure import (
+    backward_summary,
+    measure,
+    peak_backward_bytes,
+    pool_footprint,
+    summary,
+    time_trial,
+)
 from benchmarks.workloads import (
     ELEMENTWISE_SWEEP,
     Branchy,
@@ -216,6 +223,7 @@ def run_workload(workload: Workload, made: Contenders, s: Settings) -> dict[str,
                    workload.name)
     try:
         samples = measure(trials, repeats, s.warmup, bar.update)
+        pool = pool_footprint()
         memory: dict[str, tuple[int, int]] = {}
         for name in measured:
             memory[name] = peak_backward_bytes(trials[name], s.memory_repeats)
@@ -232,7 +240,7 @@ def run_workload(workload: Workload, made: Contenders, s: Settings) -> dict[str,
                          "peak_bytes": memory[name][1] if name in memory else None}
     return {"name": workload.name, "description": workload.description,
             "nodes": workload.nodes(), "width": workload.width,
-            "repeats": repeats, "contenders": figures, "skipped_peers": skipped,
+            "repeats": repeats, "contenders": figures, "skipped_peers": skipped, "pool": pool,
             "seconds": time.perf_counter() - started}
 
 

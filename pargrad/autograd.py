@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pargrad import memory
 from pargrad.engine.base import BackwardRequest, Engine
 from pargrad.engine.buffer import accumulate
 from pargrad.engine.selection import current_engine
@@ -300,7 +301,7 @@ class _GradCall(_Call):
             elif isinstance(grad, Tensor):
                 results.append(grad)
             else:  # its own memory, as a .grad would be
-                results.append(Tensor._make(np.array(grad), device=target.device))
+                results.append(Tensor._make(memory.copy(grad), device=target.device))
         return tuple(results)
 
 
@@ -673,7 +674,7 @@ def _added_to_grad(tensor: Tensor, grad: Grad, create_graph: bool) -> Tensor:
     if create_graph:
         return copy(grad) if old is None else accumulate(old, False, copy(grad))[0]
     if old is None:
-        return Tensor._make(np.array(grad), device=tensor.device)
+        return Tensor._make(memory.copy(grad), device=tensor.device)
     return Tensor._make(accumulate(old.data, False, grad)[0], device=tensor.device)
 
 

@@ -233,6 +233,18 @@ def empty(shape: tuple[int, ...], dtype: Any = np.float64) -> np.ndarray:
     return _host.empty(shape, dtype, nbytes)
 
 
+def copy(a: np.ndarray) -> np.ndarray:
+    """``np.array(a)``: a copy with its own memory, from the pool if it is large and
+    ``a`` is C-contiguous or a broadcast (any other layout is copied by numpy, which
+    keeps it)."""
+    if (a.nbytes >= MIN_BYTES and _enabled and not a.dtype.hasobject
+            and (a.flags.c_contiguous or 0 in a.strides)):
+        out = _host.empty(a.shape, a.dtype, a.nbytes)
+        np.copyto(out, a)
+        return out
+    return np.array(a)
+
+
 def empty_like(a: np.ndarray) -> np.ndarray:
     """``empty(a.shape, a.dtype)``."""
     return empty(a.shape, a.dtype)
