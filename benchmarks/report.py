@@ -238,7 +238,8 @@ def targets(workloads: list[dict[str, Any]], cores: int, default: str,
                 value = over_fastest(w, default, TORCH, "total")
                 _target(out, f"{name}: {default} / fastest torch, forward+backward", value,
                         1.0, False, "forward + backward")
-            faults = present[default]["backward"]["minor_faults"] if default in present else None
+            faults = (present[default]["backward"].get("minor_faults") if default in present
+                      else None)
             _target(out, f"{name}: {default} minor page faults per backward", faults, 100,
                     False, "backward")
         if name in ("wide-matmul", "wide-elementwise"):

@@ -219,11 +219,18 @@ def pool(device: Any = None) -> Pool:
     return _host
 
 
+_local = threading.local()
+
+
 def empty(shape: tuple[int, ...], dtype: Any = np.float64) -> np.ndarray:
     """An uninitialised C-contiguous array: from the pool if it has at least ``MIN_BYTES``
     and caching is on, else ``np.empty``'s."""
     if type(dtype) is not _Descr:
         dtype = np.dtype(dtype)
+    target = getattr(_local, "target", None)
+    if target is not None and target.shape == shape and target.dtype == dtype:
+        _local.target = None
+        return target
     count = 1
     for n in shape:
         count *= n
@@ -315,3 +322,11 @@ def set_cache_limit(nbytes: int, device: Any = None) -> int:
     if nbytes < 0:
         raise ValueError(f"pargrad.memory.set_cache_limit: a limit of {nbytes} bytes")
     return pool(device).set_limit(int(nbytes))
+
+
+def into(target: np.ndarray | None) -> None:
+    """Have this thread's next ``empty`` of ``target``'s shape and dtype return
+    ``target`` itself (None: no longer). A caller that wants a computation's result
+    in a slice of its own array sets it: a rule that makes its result with ``empty``
+    then writes it there, with no copy (parallel.elementwise)."""
+    _local.target = target

@@ -35,7 +35,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -44,11 +44,25 @@ from pargrad import memory
 Offer = Callable[["Job", int], int]
 """Hands a job to up to ``count`` idle threads; returns how many took it."""
 
+
+class Helpers(Protocol):
+    """The idle threads a call may offer its chunks to (a device's ReadyQueue)."""
+
+    def offer(self, job: Job, count: int) -> int:
+        """Hand ``job`` to up to ``count`` idle threads; return how many took it."""
+
+    def idle(self) -> int:
+        """How many threads are idle now (a hint, read without a lock)."""
+
 min_elements_ = 1 << 19
 """``thresholds()[0]``, read as it is by the forward's hot path (``Op.call``); set it
 with ``set_thresholds``."""
 _chunk_elements = 1 << 16
-_helpers_finder: Callable[[], Offer | None] = lambda: None
+STREAMING_MIN = 1 << 21
+"""Elements from which a call that only streams memory (``streaming=True``) is cut: on
+two cores a streaming pass gains from a second thread only on several million elements
+(measured in docs/performance.md, "Intra-op parallelism")."""
+_helpers_finder: Callable[[], Helpers | None] = lambda: None
 
 
 def thresholds() -> tuple[int, int]:
@@ -69,7 +83,7 @@ def set_thresholds(min_elements: int, chunk_elements: int) -> tuple[int, int]:
     return previous
 
 
-def set_helpers_finder(finder: Callable[[], Offer | None]) -> None:
+def set_helpers_finder(finder: Callable[[], Helpers | None]) -> None:
     """Register how a call finds the idle threads it may offer chunks to (the current
     engine's), or None to run them all on the calling thread. Called once, at import."""
     global _helpers_finder
@@ -86,20 +100,28 @@ def large(arrays: Sequence[Any]) -> bool:
 
 
 def elementwise(fn: Callable[..., Any], args: Sequence[Any],
-                params: dict[str, Any]) -> np.ndarray | None:
+                params: dict[str, Any], *, streaming: bool = False) -> np.ndarray | None:
     """``fn(*args, **params)`` computed in chunks (module doc), or None where it is not
     cut: fewer elements than ``min_elements``, array arguments of different shapes (a
     broadcast) or not C-contiguous, no thread that could help, or ``fn`` returning
     something other than a fresh array of its chunk's shape (a view of an argument,
     which the caller computes unchunked at no cost). The caller then calls ``fn``
-    itself."""
+    itself. ``streaming``: ``fn`` only streams memory (a gradient rule of a few passes),
+    so it is cut only from ``STREAMING_MIN`` elements and only while a thread is idle
+    to help now (cut and run by the holder alone, it measured slower than whole).
+
+    A chunk of a ``fn`` that is not a ufunc runs with ``memory.into`` set to its slice
+    of the output: a rule that makes its result with ``memory.empty`` computes it there,
+    with no copy (any other result is copied into the slice)."""
     shape = _common_shape(args)
     if shape is None:
         return None
     size = int(np.prod(shape))
-    offer = _helpers(size, min_elements_)
-    if offer is None:  # small, or nobody could help: the plain call, as the reference's
+    helpers = _helpers(size, STREAMING_MIN if streaming else min_elements_)
+    if helpers is None:  # small, or nobody could help: the plain call, as the reference's
         return None
+    if streaming and not helpers.idle():
+        return None  # only streams memory: cut, it pays only where a thread helps now
     chunk = _chunk_elements
     flat = [a.reshape(-1) if type(a) is np.ndarray and a.ndim else None for a in args]
 
@@ -120,17 +142,24 @@ def elementwise(fn: Callable[..., Any], args: Sequence[Any],
             fn(*[a if f is None else f[piece] for a, f in zip(args, flat)], out=out[piece])
     else:
         def run(i: int) -> None:
-            out[i * chunk:(i + 1) * chunk] = part(i)
+            target = out[i * chunk:(i + 1) * chunk]
+            memory.into(target)  # a rule that makes its result with memory.empty: there
+            try:
+                result = part(i)
+            finally:
+                memory.into(None)
+            if result is not target:
+                target[...] = result
 
     count = -(-size // chunk)
-    Job(run, count, first=1).run_here(offer, count - 2)  # the holder runs one at least
+    Job(run, count, first=1).run_here(helpers.offer, count - 2)  # the holder runs one at least
     return out.reshape(shape)
 
 
 _SCALARS = (int, float, complex, bool, np.generic, type(None))
 
 
-def _helpers(size: int, minimum: int) -> Offer | None:
+def _helpers(size: int, minimum: int) -> Helpers | None:
     """Where a call of ``size`` elements may offer its chunks, or None where a cut would
     not pay: fewer than ``minimum`` elements, one chunk's worth, or no thread that could
     help (``set_helpers_finder``)."""
@@ -166,13 +195,13 @@ def for_chunks(size: int, body: Callable[[slice], None], minimum: int | None = N
     a cut would not pay: fewer than ``minimum`` elements (default ``min_elements``; a
     kernel that only streams memory gains later), or no thread could help. ``body``
     must write only its own piece."""
-    offer = _helpers(size, min_elements_ if minimum is None else minimum)
-    if offer is None:
+    helpers = _helpers(size, min_elements_ if minimum is None else minimum)
+    if helpers is None:
         return False
     chunk = _chunk_elements
     count = -(-size // chunk)
     job = Job(lambda i: body(slice(i * chunk, (i + 1) * chunk)), count)
-    job.run_here(offer, count - 1)  # the holder runs one chunk at least
+    job.run_here(helpers.offer, count - 1)  # the holder runs one chunk at least
     return True
 
 

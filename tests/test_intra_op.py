@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pargrad
-from pargrad import parallel
+from pargrad import memory, parallel
 from pargrad.engine.ready_queue import ReadyQueue
-from pargrad.ops import fused
+from pargrad.ops import fused, large
 from pargrad.ops.core import defop
 
 MIN, CHUNK = 48, 16
@@ -41,8 +41,14 @@ class CountedJob(parallel.Job):
 
 @pytest.fixture
 def small_chunks(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Small thresholds: for cutting (the costly calls and, with a thread idle, the
+    streaming rules), for the rules' one-buffer forms, and for the pool (so that a
+    chunk's rule makes its result in its slice of the output, ``memory.into``)."""
     previous = parallel.set_thresholds(MIN, CHUNK)
     monkeypatch.setattr(parallel, "Job", CountedJob)
+    monkeypatch.setattr(parallel, "STREAMING_MIN", MIN)
+    monkeypatch.setattr(large, "OUT_MIN", 1)
+    monkeypatch.setattr(memory, "MIN_BYTES", 8)
     try:
         yield
     finally:
@@ -498,3 +504,86 @@ def test_nothing_is_counted_as_helped_where_nobody_helps(small_chunks: None) -> 
         y.backward(np.ones(MIN - 1), engine=engine)
         assert engine.statistics().chunks_helped == 0
         assert engine.trace is not None and engine.trace.helping() == []
+
+
+# ----- rules that only stream memory -----
+class FakeHelpers:
+    """Helpers with ``idle`` threads, none of which ever takes an offer."""
+
+    def __init__(self, idle: int) -> None:
+        self._idle = idle
+        self.offers = 0
+
+    def offer(self, job: parallel.Job, count: int) -> int:
+        self.offers += 1
+        return 0
+
+    def idle(self) -> int:
+        return self._idle
+
+
+def test_a_streaming_call_is_cut_only_while_a_thread_is_idle_and_from_its_threshold(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(parallel, "STREAMING_MIN", 6 * 64)
+    previous = parallel.set_thresholds(4 * 64, 64)
+    try:
+        x = np.linspace(-1, 1, 8 * 64)
+        for idle, streaming, size, cut in [(0, True, 8, False), (1, True, 8, True),
+                                           (1, True, 5, False), (0, False, 8, True)]:
+            helpers = FakeHelpers(idle)
+            monkeypatch.setattr(parallel, "_helpers_finder", lambda h=helpers: h)
+            got = parallel.elementwise(np.tanh, (x[:size * 64],), {}, streaming=streaming)
+            assert (got is not None) is cut, (idle, streaming, size)
+            assert helpers.offers == int(cut)
+            if got is not None:
+                assert got.tobytes() == np.tanh(x[:size * 64]).tobytes()
+    finally:
+        parallel.set_thresholds(*previous)
+
+
+def test_a_chunk_makes_its_result_in_its_slice_of_the_output(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rule that takes its result from ``memory.empty`` writes it straight into the
+    call's output (no copy); any other result is copied there; both give the whole
+    call's bits."""
+    monkeypatch.setattr(parallel, "_helpers_finder", lambda: FakeHelpers(1))
+    monkeypatch.setattr(parallel, "STREAMING_MIN", 4 * 64)
+    previous = parallel.set_thresholds(4 * 64, 64)
+    outputs: list[np.ndarray] = []
+
+    def in_place(g: np.ndarray, y: np.ndarray) -> np.ndarray:
+        out = memory.empty(g.shape, g.dtype)
+        outputs.append(out)
+        np.multiply(y, y, out=out)
+        np.subtract(1.0, out, out=out)
+        return np.multiply(g, out, out=out)
+
+    def fresh(g: np.ndarray, y: np.ndarray) -> np.ndarray:
+        return g * (1.0 - y * y)
+
+    try:
+        g, y = np.linspace(-1, 1, 10 * 64), np.linspace(0.5, -0.5, 10 * 64)
+        whole = fresh(g, y)
+        for rule in (in_place, fresh):
+            outputs.clear()
+            got = parallel.elementwise(rule, (g, y), {}, streaming=True)
+            assert got is not None and got.tobytes() == whole.tobytes()
+        got = parallel.elementwise(in_place, (g, y), {}, streaming=True)
+        assert got is not None
+        # Chunk 0 tells the output's dtype; every later chunk's result is its slice.
+        assert all(np.shares_memory(o, got) for o in outputs[1:]) and len(outputs) == 10
+        assert memory.empty((3,)).shape == (3,)  # the slice is not handed out again
+    finally:
+        parallel.set_thresholds(*previous)
+
+
+def test_into_hands_out_its_target_once_and_only_for_its_shape_and_dtype() -> None:
+    target = np.empty((4, 5))
+    memory.into(target)
+    try:
+        assert memory.empty((4, 5), np.float32) is not target
+        assert memory.empty((5, 4)) is not target
+        assert memory.empty((4, 5)) is target
+        assert memory.empty((4, 5)) is not target
+    finally:
+        memory.into(None)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from pargrad.futures import BackwardFuture
 from pargrad.graph import Edge, Grad
-from pargrad.parallel import Offer
+from pargrad.parallel import Helpers
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +92,7 @@ class Engine(ABC):
             future.set_result(kept)
         return future
 
-    def intra_op_helpers(self) -> Offer | None:
+    def intra_op_helpers(self) -> Helpers | None:
         """Where a large elementwise call made on this thread while this engine is
         current (a node's rule, or a forward op) may offer its chunks to idle threads
         (pargrad/parallel.py); None: it runs them all on the calling thread. This default

@@ -115,6 +115,12 @@ class ReadyQueue(Generic[T]):
             self.not_empty.notify(n)
             return n
 
+    def idle(self) -> int:
+        """How many threads blocked in ``get`` no offer has claimed yet: read without the
+        lock, a hint that may be stale by the time it is used (a call then runs its
+        chunks itself, or cuts where nobody came)."""
+        return self._waiting - len(self._offers)
+
     @property
     def waits(self) -> int:
         """How many times a ``get`` found the queue empty and blocked."""

@@ -15,7 +15,7 @@ import threading
 from pargrad.engine.base import Engine, _engine_stack
 from pargrad.engine.sequential import SequentialEngine
 from pargrad.engine.threaded import ThreadedEngine
-from pargrad.parallel import Offer, set_helpers_finder
+from pargrad.parallel import Helpers, set_helpers_finder
 
 # Guards _default_engine, so that creating the default lazily cannot overwrite a
 # concurrent set_default_engine.
@@ -84,7 +84,7 @@ def current_engine() -> Engine:
     return stack[-1] if stack else get_default_engine()
 
 
-def _intra_op_helpers() -> Offer | None:
+def _intra_op_helpers() -> Helpers | None:
     """The idle threads a large elementwise call may offer chunks to: the current
     engine's (pargrad/parallel.py)."""
     try:

@@ -107,7 +107,7 @@ from pargrad.graph import (
     counting,
 )
 from pargrad.interrupts import HELD, NODE, current_gate, deferred_interrupts, gate_installed
-from pargrad.parallel import Offer
+from pargrad.parallel import Helpers
 
 __all__ = ["DEFAULT_HANDOFF_BRANCH", "DEFAULT_HANDOFF_THRESHOLD", "MAX_REENTRANT_DEPTH",
            "ThreadedEngine", "default_workers"]
@@ -349,15 +349,14 @@ class ThreadedEngine(Engine):
         """How many worker threads ``device`` gets."""
         return self._pool.workers(as_device(device))
 
-    def intra_op_helpers(self) -> Offer | None:
+    def intra_op_helpers(self) -> Helpers | None:
         """The ReadyQueue of this thread's device, whose idle threads take offered
         chunks (its workers start if they had not); None with ``intra_op=False``, on one
         core, while a BLAS node runs (BLAS's own threads use the cores then), or after
         ``shutdown``."""
         if not self.intra_op or available_cores() < 2 or blas.busy():
             return None
-        queue = self._pool.open_queue(home_device(self._pool))
-        return None if queue is None else queue.offer
+        return self._pool.open_queue(home_device(self._pool))
 
     def threads(self) -> list[threading.Thread]:
         """The worker threads started so far (workers start when their device first

@@ -139,6 +139,9 @@ class Op:
         self.cut_forward = "forward" in cut and self.lean
         self.cut_rules = frozenset(i for i in cut if isinstance(i, int)) if self.lean else (
             frozenset())
+        # The other rules, with ``"rules"``: cut only while a thread is idle to help.
+        self.stream_rules = frozenset(range(len(self.rules))) - self.cut_rules if (
+            "rules" in cut and self.lean) else frozenset()
         # Arguments from this index on have no rule (none for variadic ops).
         self.ruled = len(self.rules) if argnum_rule is None else 1 << 30
         # Per rule: whether it reads the output, and which arguments' values it reads.
@@ -719,7 +722,9 @@ class OpNode(Node):
         ans = self.saved_ans  # one output (direct_rules: not a multi-output op)
         params = self.params
         cut = op.cut_rules
-        chunked = bool(cut) and large(grads)  # in chunks, helped by idle threads
+        stream = op.stream_rules
+        # In chunks, helped by idle threads (g is an array: checked above).
+        chunked = bool(cut or stream) and g.size >= parallel.min_elements_
         results: list[Grad | None] = []
         metas = self._input_meta
         fits = True
@@ -733,6 +738,8 @@ class OpNode(Node):
                 r = None
                 if chunked and i in cut:
                     r = elementwise(rules[i], (g, ans, *args), params)
+                elif chunked and i in stream:
+                    r = elementwise(rules[i], (g, ans, *args), params, streaming=True)
                 if r is None:
                     r = rules[i](g, ans, *args, **params) if params else rules[i](g, ans, *args)
                 if fits:

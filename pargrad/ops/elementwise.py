@@ -17,7 +17,7 @@ import numpy as np
 
 from pargrad.devices import CPU, Device, device
 from pargrad.ops import fused, large
-from pargrad.ops.core import defop, implements, nondifferentiable
+from pargrad.ops.core import Op, defop, implements, nondifferentiable
 from pargrad.tensor import Tensor
 
 # Rules with several operators also have a one-buffer form for large arrays
@@ -25,11 +25,20 @@ from pargrad.tensor import Tensor
 # where a rule's comment says otherwise; tanh, sigmoid and relu first try their fused
 # kernel (pargrad/ops/fused.py, with numba), which also gives the same bits.
 
+def elementwise_op(name: str, forward: Any, *rules: Any, cut: tuple[str | int, ...] = (),
+                   **options: Any) -> Op:
+    """``defop`` for an op of this module: its rules named in ``cut`` (those that cost
+    enough per element) are cut into chunks on large arrays whenever idle threads may
+    help, every other rule while a thread is idle to help now (``"rules"``); ``cut``
+    may name the forward too."""
+    return defop(name, forward, *rules, cut=("rules", *cut), **options)
+
+
 # ----- arithmetic -----
-add = defop("add", np.add,
+add = elementwise_op("add", np.add,
             lambda g, ans, x, y: g,
             lambda g, ans, x, y: g, needs_values=False)
-subtract = defop("subtract", np.subtract,
+subtract = elementwise_op("subtract", np.subtract,
                  lambda g, ans, x, y: g,
                  lambda g, ans, x, y: large.neg(g), needs_values=False)
 
@@ -44,7 +53,7 @@ def _times(g: Any, other: Any) -> Any:
     return g * other
 
 
-multiply = defop("multiply", np.multiply,
+multiply = elementwise_op("multiply", np.multiply,
                  lambda g, ans, x, y: _times(g, y),
                  lambda g, ans, x, y: _times(g, x))
 
@@ -58,10 +67,10 @@ def _divide_divisor_rule(g: Any, ans: Any, x: Any, y: Any) -> Any:
     return -g * x / (y * y)
 
 
-divide = defop("divide", np.divide,
+divide = elementwise_op("divide", np.divide,
                lambda g, ans, x, y: large.over(g, y),
                _divide_divisor_rule, cut=(1,))
-negative = defop("negative", np.negative,
+negative = elementwise_op("negative", np.negative,
                  lambda g, ans, x: large.neg(g), needs_values=False)
 
 
@@ -73,7 +82,7 @@ def _power_base_rule(g: Any, ans: Any, x: Any, y: Any) -> Any:
 
 
 # d(x**y)/dy takes log(x) as 0 at x == 0, so 0**y (y > 0) has gradient 0 in y.
-power = defop("power", np.power,
+power = elementwise_op("power", np.power,
               _power_base_rule,
               lambda g, ans, x, y: g * ans * np.log(np.where(x == 0, 1, x)),
               cut=("forward", 0, 1))
@@ -107,12 +116,12 @@ def _expm1_rule(g: Any, ans: Any, x: Any) -> Any:
     return g * (ans + 1)
 
 
-exp = defop("exp", np.exp, lambda g, ans, x: large.times(g, ans), cut=("forward",))
-log = defop("log", np.log, lambda g, ans, x: large.over(g, x), cut=("forward",))
-sqrt = defop("sqrt", np.sqrt, _sqrt_rule)
-square = defop("square", np.square, _square_rule)
-log1p = defop("log1p", np.log1p, _log1p_rule, cut=("forward",))
-expm1 = defop("expm1", np.expm1, _expm1_rule, cut=("forward",))
+exp = elementwise_op("exp", np.exp, lambda g, ans, x: large.times(g, ans), cut=("forward",))
+log = elementwise_op("log", np.log, lambda g, ans, x: large.over(g, x), cut=("forward",))
+sqrt = elementwise_op("sqrt", np.sqrt, _sqrt_rule)
+square = elementwise_op("square", np.square, _square_rule)
+log1p = elementwise_op("log1p", np.log1p, _log1p_rule, cut=("forward",))
+expm1 = elementwise_op("expm1", np.expm1, _expm1_rule, cut=("forward",))
 
 # ----- piecewise -----
 # abs'(0) is taken as 0, relu'(0) as 0. maximum/minimum split g evenly on ties.
@@ -138,28 +147,28 @@ def _relu_rule(g: Any, ans: Any, x: Any) -> Any:
     return g * (x > 0)
 
 
-abs = defop("absolute", np.absolute, _abs_rule)
+abs = elementwise_op("absolute", np.absolute, _abs_rule)
 def _relu(x: Any) -> Any:
     if type(x) is np.ndarray and x.size >= large.OUT_MIN:
         return large.fresh(np.maximum, x, 0)
     return np.maximum(x, 0)
 
 
-relu = defop("relu", _relu, _relu_rule,
+relu = elementwise_op("relu", _relu, _relu_rule,
              doc="max(x, 0), elementwise; its gradient at 0 is taken as 0.")
-maximum = defop("maximum", np.maximum,
+maximum = elementwise_op("maximum", np.maximum,
                 lambda g, ans, x, y: np.where(x == y, g / 2, g * (x > y)),
                 lambda g, ans, x, y: np.where(x == y, g / 2, g * (y > x)))
-minimum = defop("minimum", np.minimum,
+minimum = elementwise_op("minimum", np.minimum,
                 lambda g, ans, x, y: np.where(x == y, g / 2, g * (x < y)),
                 lambda g, ans, x, y: np.where(x == y, g / 2, g * (y < x)))
 # clip is min(max(x, lo), hi): the gradient goes to x where lo <= x <= hi, else to the
 # bound that was used (hi wherever lo > hi, as numpy then returns hi).
-_clip = defop("clip", np.clip,
+_clip = elementwise_op("clip", np.clip,
               lambda g, ans, x, lo, hi: large.times(g, np.logical_and(x >= lo, x <= hi)),
               lambda g, ans, x, lo, hi: g * np.logical_and(x < lo, lo <= hi),
               lambda g, ans, x, lo, hi: g * np.logical_or(x > hi, lo > hi))
-_where = defop("where", np.where,
+_where = elementwise_op("where", np.where,
                nondifferentiable,
                lambda g, ans, c, x, y: np.where(c, g, 0),
                lambda g, ans, c, x, y: np.where(c, 0, g))
@@ -211,9 +220,9 @@ def _softplus_rule(g: Any, ans: Any, x: Any) -> Any:
     return g * (1 + np.tanh(0.5 * x)) * 0.5
 
 
-sin = defop("sin", np.sin, _sin_rule, cut=("forward", 0))
-cos = defop("cos", np.cos, _cos_rule, cut=("forward", 0))
-tanh = defop("tanh", np.tanh, _tanh_rule, cut=("forward",))
+sin = elementwise_op("sin", np.sin, _sin_rule, cut=("forward", 0))
+cos = elementwise_op("cos", np.cos, _cos_rule, cut=("forward", 0))
+tanh = elementwise_op("tanh", np.tanh, _tanh_rule, cut=("forward",))
 # 0.5 * (1 + tanh(x / 2)) is sigmoid without overflow for large |x|.
 def _sigmoid(x: Any) -> Any:
     # Large: the same steps in the one buffer of the result.
@@ -225,7 +234,7 @@ def _sigmoid(x: Any) -> Any:
     return 0.5 * (1 + np.tanh(0.5 * x))
 
 
-sigmoid = defop("sigmoid", _sigmoid, _sigmoid_rule,
+sigmoid = elementwise_op("sigmoid", _sigmoid, _sigmoid_rule,
                 cut=("forward",),
                 doc="1 / (1 + exp(-x)), elementwise, without overflow.")
 def _softplus(x: Any) -> Any:
@@ -234,14 +243,14 @@ def _softplus(x: Any) -> Any:
     return np.logaddexp(0, x)
 
 
-softplus = defop("softplus", _softplus, _softplus_rule,
+softplus = elementwise_op("softplus", _softplus, _softplus_rule,
                  cut=("forward", 0),
                  doc="log(1 + exp(x)), elementwise, without overflow.")
 
 # ----- copies and dtype -----
-copy = defop("copy", lambda x: np.array(x, copy=True), lambda g, ans, x: g,
+copy = elementwise_op("copy", lambda x: np.array(x, copy=True), lambda g, ans, x: g,
              needs_values=False, doc="A copy with its own memory (differentiable).")
-_astype = defop("astype", lambda x, *, dtype: x.astype(dtype),
+_astype = elementwise_op("astype", lambda x, *, dtype: x.astype(dtype),
                 lambda g, ans, x, *, dtype: g.astype(x.dtype), needs_values=False)
 
 implements(np.copy)(copy)

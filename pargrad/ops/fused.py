@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from pargrad import memory
+from pargrad import memory, parallel
 from pargrad.ops import large
 from pargrad.parallel import for_chunks
 
@@ -122,7 +122,7 @@ def _unavailable(exc: ImportError) -> None:
                   RuntimeWarning, stacklevel=3)
 
 
-STREAMING_MIN = 1 << 21
+STREAMING_MIN = parallel.STREAMING_MIN
 """Elements from which an elementwise kernel runs in chunks on idle threads: one pass
 that streams memory gains little from a second core (1.15x at 4*10^6 elements, 0.7x at
 6*10^5, docs/performance.md)."""
