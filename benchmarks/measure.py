@@ -253,7 +253,8 @@ def machine_facts() -> dict[str, Any]:
     libc = platform.libc_ver()
     facts["libc"] = " ".join(libc) if libc[0] else None
     for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
-                 "OPENBLAS_THREAD_TIMEOUT", "PARGRAD_ENGINE", "PARGRAD_FUSED", "MALLOC_TOP_PAD_",
+                 "OPENBLAS_THREAD_TIMEOUT", "PARGRAD_ENGINE", "PARGRAD_FUSED", "PARGRAD_CACHING",
+                 "PARGRAD_CACHE_LIMIT", "MALLOC_TOP_PAD_",
                  "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_ARENA_MAX",
                  "LD_PRELOAD"):
         facts[name] = os.environ.get(name)
