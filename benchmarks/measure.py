@@ -224,6 +224,17 @@ def simd() -> dict[str, list[str]] | None:
     return None
 
 
+def _fused_load_seconds(fused: Any) -> float | None:
+    """Seconds the first fused kernel took to be ready in this process (numba's import,
+    then compiling the kernels or loading them from its on-disk cache); None where the
+    kernels are off or were ready already."""
+    if not fused.enabled() or getattr(fused, "_kernels", None):
+        return None
+    start = time.perf_counter()
+    fused.kernel("tanh_backward")
+    return round(time.perf_counter() - start, 3)
+
+
 def machine_facts() -> dict[str, Any]:
     """The CPU, cores, SIMD, Python, numpy and its BLAS, the fused kernels, and every
     thread and allocator setting that moves the figures."""
@@ -248,6 +259,7 @@ def machine_facts() -> dict[str, Any]:
                    "num_threads")} for pool in threadpool_info()],
         "pargrad_default_workers": default_workers(),
         "fused_kernels": fused.enabled(),
+        "fused_kernels_load_s": _fused_load_seconds(fused),
         "numba": _version("numba"),
     }
     libc = platform.libc_ver()

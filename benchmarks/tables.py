@@ -127,7 +127,9 @@ def _fused(m: dict[str, Any]) -> str:
     if "fused_kernels" not in m:
         return "fused kernels not recorded"
     if m["fused_kernels"]:
-        return f"fused kernels on (numba {m['numba']})"
+        load = m.get("fused_kernels_load_s")
+        return (f"fused kernels on (numba {m['numba']}"
+                + (f", ready in {load:.2f} s" if load is not None else "") + ")")
     return "fused kernels off (" + ("PARGRAD_FUSED=0" if m.get("numba") else "no numba") + ")"
 
 
