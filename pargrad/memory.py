@@ -11,9 +11,10 @@ once nothing can see it any more. In steady state nothing is faulted in again.
 
 How ownership stays exact, by construction: a pool owns *blocks* (numpy arrays of bytes,
 of a private subclass); ``empty`` hands out an array made on a fresh *lease*, a plain
-view of a block that every array derived from it holds through its ``base`` (numpy
-collapses a chain of views only down to an array of the same type, so it stops at the
-lease). The pool holds the block, and only a weak reference to the lease. The lease dies
+view of the block's first bytes, which the array and every array derived from it hold
+through their ``base`` (numpy collapses a chain of views only down to an array of
+another type, so it stops at the lease, above the block). The pool holds the block, and
+only a weak reference to the lease. The lease dies
 when the last array that reaches it does, whoever held it: a ``.grad``, a user's hook,
 a retained graph, a view, a memoryview, another thread. Only then does the interpreter
 call the weak reference's callback, which appends it to the pool's ``_returned`` deque
@@ -34,7 +35,12 @@ Guarantees:
 - A block is reused for a request of its size in pages, or up to an eighth smaller;
   free blocks are kept up to ``cache_limit()`` bytes, the rest given back to numpy.
 - Thread-safe: one lock per pool (``Pool._lock``), held for a few dictionary operations,
-  never while numpy allocates or anything else of pargrad's runs.
+  never while numpy allocates or anything else of pargrad's runs. A finalizer that a
+  collection runs inside those operations and that calls the pool gets numpy's memory
+  instead of waiting for the lock. A Ctrl-C anywhere leaves the pool consistent (at
+  worst one block given back to numpy, or a count one off).
+- A block comes back at the pool's next call after its arrays died (the interpreter
+  cannot run the pool's code when they die): ``memory_stats()`` makes it come back now.
 - ``memory_stats()`` / ``empty_cache()`` / ``reset_peak_memory_stats()`` after PyTorch's
   names for its own caching allocator; ``set_enabled(False)`` (or ``PARGRAD_CACHING=0``
   before import) makes ``empty`` plain ``np.empty``, for comparison.
@@ -42,8 +48,9 @@ Guarantees:
 Devices: the logical CPU devices (``cpu``, ``cpu:1``, ...) share one memory, so they
 share one pool (``pool("cpu")``); another device type would have a pool of its own.
 
-Assumptions: no ``__del__`` of the user's calls pargrad while the pool's lock is held
-(it is held only across dictionary and list operations, which may collect garbage).
+Assumptions: the user keeps an array (or a view of it) to keep its memory, not a raw
+pointer to its data (``__array_interface__``, ``ctypes.data``), nor the block two
+``base`` steps above it.
 """
 
 from __future__ import annotations
@@ -63,6 +70,8 @@ for giving an allocation its own mapping, which is what faults in again)."""
 
 _PAGE = 4096
 _Descr = type(np.dtype(np.float64))
+_local = threading.local()
+"""Per thread: ``holding``, the pool whose lock it holds; ``target``, ``into``'s array."""
 
 
 def _default_limit() -> int:
@@ -85,11 +94,13 @@ class Pool:
     """The free blocks of one device and the leases handed out of them."""
 
     def __init__(self, limit: int) -> None:
-        # Guards _free, _sizes, _leased, _cached, _limit, _stats and the peak; held only
-        # for dictionary and list operations.
+        # Guards _free, _sizes, _leased, _cached, _limit and the counters. Held for a few
+        # dictionary and list operations; a collection that runs inside them may run a
+        # finalizer that calls the pool on this thread: that call does not wait for the
+        # lock (``_mine``) but bypasses the pool.
         self._lock = threading.Lock()
-        self._free: dict[int, list[_Block]] = {}  # block bytes -> free blocks
-        self._sizes: list[int] = []  # the keys of _free with blocks, sorted
+        self._free: dict[int, list[_Block]] = {}  # block bytes -> free blocks (maybe none)
+        self._sizes: list[int] = []  # the keys of _free, sorted
         self._leased: dict[int, tuple[weakref.ref[np.ndarray], _Block]] = {}
         # Weak references whose lease died, appended by the interpreter (deque.append is
         # one C call, safe from any thread and from a collection inside _lock).
@@ -100,50 +111,65 @@ class Pool:
         self._reused = self._new = self._back = self._released = 0
         self._leased_bytes = self._peak = 0
 
+    def _mine(self) -> bool:
+        """Whether this thread holds ``_lock`` already (a finalizer run by a collection
+        inside a locked section called the pool): the caller must not take it."""
+        return getattr(_local, "holding", None) is self and self._lock.locked()
+
     def empty(self, shape: tuple[int, ...], dtype: np.dtype[Any], nbytes: int) -> np.ndarray:
         """A fresh array of ``nbytes`` (``shape``'s elements of ``dtype``) on a block."""
+        if self._mine():
+            return np.empty(shape, dtype)
         size = (nbytes + _PAGE - 1) & -_PAGE
+        block = None
         with self._lock:
+            _local.holding = self
             if self._returned:
                 self._reclaim()
-            blocks = self._free.get(size)
-            if blocks is None and self._sizes:
-                blocks = self._near(size)
+            blocks = self._free.get(size) or self._near(size)
             if blocks:
                 block = blocks.pop()
-                if not blocks:
-                    del self._free[block.size]
-                    self._sizes.remove(block.size)
                 self._cached -= block.size
                 self._reused += 1
             else:
-                block = None
                 self._new += 1
+            _local.holding = None
         if block is None:
             block = np.ndarray.__new__(_Block, (size,), np.uint8)
-        out = np.ndarray(shape, dtype, block)
-        ref = weakref.ref(out, self._returned.append)
+        # The lease: a plain view of the block's first bytes, which the array handed out
+        # and all its views hold (the array's base).
+        lease = np.ndarray((nbytes,), np.uint8, block)
+        out = np.ndarray(shape, dtype, lease)
+        entry = (weakref.ref(lease, self._returned.append), block)
         with self._lock:
-            self._leased[id(ref)] = (ref, block)
+            self._leased[id(entry[0])] = entry
             self._leased_bytes += block.size
             if self._leased_bytes > self._peak:
                 self._peak = self._leased_bytes
         return out
 
     def _near(self, size: int) -> list[_Block] | None:
-        """The free blocks of the smallest size that fits ``size`` and wastes at most an
+        """Free blocks of the smallest size that fits ``size`` and wastes at most an
         eighth of it, or None (under ``_lock``)."""
         sizes = self._sizes
         i = bisect.bisect_left(sizes, size)
-        if i < len(sizes) and sizes[i] - (sizes[i] >> 3) <= size:
-            return self._free[sizes[i]]
+        while i < len(sizes) and sizes[i] - (sizes[i] >> 3) <= size:
+            blocks = self._free.get(sizes[i])
+            if blocks:
+                return blocks
+            i += 1
         return None
 
     def _reclaim(self) -> None:
-        """Put back the blocks whose arrays all died (under ``_lock``)."""
+        """Put back the blocks whose arrays all died (under ``_lock``). Interrupted
+        anywhere, what it leaves is consistent: at worst a block is given back to numpy
+        instead of kept, or a count is one off."""
         returned = self._returned
         while returned:
-            _, block = self._leased.pop(id(returned.popleft()))
+            found = self._leased.pop(id(returned.popleft()), None)
+            if found is None:  # its lease died before it was registered (an interrupt)
+                continue
+            block = found[1]
             size = block.size
             self._leased_bytes -= size
             self._back += 1
@@ -152,56 +178,70 @@ class Pool:
                 continue
             blocks = self._free.get(size)
             if blocks is None:
-                self._free[size] = blocks = []
+                blocks = self._free.setdefault(size, [])
                 bisect.insort(self._sizes, size)
             blocks.append(block)
             self._cached += size
 
-    def _drop(self, size: int) -> None:
-        """Give one free block of ``size`` bytes back to numpy (under ``_lock``)."""
-        blocks = self._free[size]
-        blocks.pop()
-        if not blocks:
-            del self._free[size]
-            self._sizes.remove(size)
-        self._cached -= size
-        self._released += 1
+    def _drop_largest(self) -> None:
+        """Give one free block of the largest size back to numpy (under ``_lock``)."""
+        for size in reversed(self._sizes):
+            blocks = self._free[size]
+            if blocks:
+                blocks.pop()
+                self._cached -= size
+                self._released += 1
+                return
 
-    def stats(self) -> dict[str, int]:
-        """``memory_stats()`` of this pool."""
+    def stats(self, reset_peak: bool = False) -> dict[str, int]:
+        """``memory_stats()`` of this pool (first putting back the blocks of dead
+        arrays); ``reset_peak``: then start the peak again from the bytes in use."""
+        if self._mine():  # a finalizer inside a locked section: what it can read now
+            return self._snapshot()
         with self._lock:
+            _local.holding = self
             self._reclaim()
-            return {"leases": self._reused + self._new, "reused": self._reused,
-                    "allocated_blocks": self._new, "returned": self._back,
-                    "released_blocks": self._released,
-                    "leased_bytes": self._leased_bytes, "peak_leased_bytes": self._peak,
-                    "leased_blocks": len(self._leased), "cached_bytes": self._cached,
-                    "free_blocks": sum(len(b) for b in self._free.values()),
-                    "cache_limit": self._limit}
+            if reset_peak:
+                self._peak = self._leased_bytes
+            found = self._snapshot()
+            _local.holding = None
+        return found
+
+    def _snapshot(self) -> dict[str, int]:
+        return {"leases": self._reused + self._new, "reused": self._reused,
+                "allocated_blocks": self._new, "returned": self._back,
+                "released_blocks": self._released,
+                "leased_bytes": self._leased_bytes, "peak_leased_bytes": self._peak,
+                "leased_blocks": len(self._leased), "cached_bytes": self._cached,
+                "free_blocks": sum(map(len, list(self._free.values()))),
+                "cache_limit": self._limit}
 
     def empty_cache(self) -> int:
         """Give every free block back; return their bytes."""
-        with self._lock:
-            self._reclaim()
-            freed = self._cached
-            while self._sizes:
-                self._drop(self._sizes[-1])
-        return freed
+        return self.set_limit(self._limit, keep=0)[1]
 
-    def set_limit(self, limit: int) -> int:
-        """Set the limit of free bytes, giving back the largest blocks over it."""
+    def set_limit(self, limit: int, keep: int | None = None) -> tuple[int, int]:
+        """Set the limit of free bytes and give back the largest blocks over it (over
+        ``keep`` bytes, if given); return the previous limit and the bytes given back."""
+        if self._mine():
+            return self._limit, 0
         with self._lock:
+            _local.holding = self
             previous, self._limit = self._limit, limit
             self._reclaim()
-            while self._cached > limit:
-                self._drop(self._sizes[-1])
-        return previous
+            before = self._cached
+            bound = limit if keep is None else keep
+            while self._cached > bound:
+                self._drop_largest()
+            if keep == 0:
+                self._free.clear()
+                self._sizes.clear()
+            _local.holding = None
+        return previous, before - self._cached
 
     def reset_peak(self) -> None:
         """Start the peak again from the bytes in use now."""
-        with self._lock:
-            self._reclaim()
-            self._peak = self._leased_bytes
+        self.stats(reset_peak=True)
 
 
 _host = Pool(_default_limit())
@@ -219,9 +259,6 @@ def pool(device: Any = None) -> Pool:
     return _host
 
 
-_local = threading.local()
-
-
 def empty(shape: tuple[int, ...], dtype: Any = np.float64) -> np.ndarray:
     """An uninitialised C-contiguous array: from the pool if it has at least ``MIN_BYTES``
     and caching is on, else ``np.empty``'s."""
@@ -236,16 +273,18 @@ def empty(shape: tuple[int, ...], dtype: Any = np.float64) -> np.ndarray:
         count *= n
     nbytes = count * dtype.itemsize
     if nbytes < MIN_BYTES or not _enabled or dtype.hasobject:
+        if not _enabled and _host._returned:  # arrays handed out before: give them back
+            _host.stats()
         return np.empty(shape, dtype)
     return _host.empty(shape, dtype, nbytes)
 
 
 def copy(a: np.ndarray) -> np.ndarray:
     """``np.array(a)``: a copy with its own memory, from the pool if it is large and
-    ``a`` is C-contiguous or a broadcast (any other layout is copied by numpy, which
-    keeps it)."""
+    ``a`` is C-contiguous or a broadcast of one value (any other layout is copied by
+    numpy, which keeps it: a reduction over the copy then sums in the same order)."""
     if (a.nbytes >= MIN_BYTES and _enabled and not a.dtype.hasobject
-            and (a.flags.c_contiguous or 0 in a.strides)):
+            and (a.flags.c_contiguous or not any(a.strides))):
         out = _host.empty(a.shape, a.dtype, a.nbytes)
         np.copyto(out, a)
         return out
@@ -259,8 +298,11 @@ def empty_like(a: np.ndarray) -> np.ndarray:
 
 def owns_itself(a: np.ndarray) -> bool:
     """Whether ``a`` is an array of its own, not a view of another: one that owns its
-    data, or one ``empty`` handed out (its base is the pool's block)."""
-    return a.base is None or type(a.base) is _Block
+    data, or one ``empty`` handed out (its base is the lease, a view of all its bytes on
+    the pool's block; a view of all of it, ``a.T``, counts as it too)."""
+    base = a.base
+    return base is None or (type(base) is np.ndarray and type(base.base) is _Block
+                            and base.nbytes == a.nbytes)
 
 
 def owner(a: np.ndarray) -> Any:
@@ -321,7 +363,7 @@ def set_cache_limit(nbytes: int, device: Any = None) -> int:
     ``PARGRAD_CACHE_LIMIT``."""
     if nbytes < 0:
         raise ValueError(f"pargrad.memory.set_cache_limit: a limit of {nbytes} bytes")
-    return pool(device).set_limit(int(nbytes))
+    return pool(device).set_limit(int(nbytes))[0]
 
 
 def into(target: np.ndarray | None) -> None:

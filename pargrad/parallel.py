@@ -120,7 +120,7 @@ def elementwise(fn: Callable[..., Any], args: Sequence[Any],
     helpers = _helpers(size, STREAMING_MIN if streaming else min_elements_)
     if helpers is None:  # small, or nobody could help: the plain call, as the reference's
         return None
-    if streaming and not helpers.idle():
+    if streaming and helpers.idle() <= 0:
         return None  # only streams memory: cut, it pays only where a thread helps now
     chunk = _chunk_elements
     flat = [a.reshape(-1) if type(a) is np.ndarray and a.ndim else None for a in args]
@@ -143,8 +143,8 @@ def elementwise(fn: Callable[..., Any], args: Sequence[Any],
     else:
         def run(i: int) -> None:
             target = out[i * chunk:(i + 1) * chunk]
-            memory.into(target)  # a rule that makes its result with memory.empty: there
             try:
+                memory.into(target)  # a rule making its result with memory.empty: there
                 result = part(i)
             finally:
                 memory.into(None)

@@ -587,3 +587,32 @@ def test_into_hands_out_its_target_once_and_only_for_its_shape_and_dtype() -> No
         assert memory.empty((4, 5)) is not target
     finally:
         memory.into(None)
+
+
+def test_a_failing_chunk_leaves_no_target_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(parallel, "_helpers_finder", lambda: FakeHelpers(1))
+    previous = parallel.set_thresholds(4 * 64, 64)
+    calls = []
+
+    def rule(g: np.ndarray) -> np.ndarray:
+        calls.append(1)
+        if len(calls) == 3:
+            raise ValueError("chunk 2")
+        return g * 2.0
+
+    try:
+        with pytest.raises(ValueError, match="chunk 2"):
+            parallel.elementwise(rule, (np.ones(8 * 64),), {})
+        assert getattr(memory._local, "target", None) is None
+    finally:
+        parallel.set_thresholds(*previous)
+
+
+def test_a_negative_idle_count_cuts_no_streaming_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(parallel, "_helpers_finder", lambda: FakeHelpers(-1))
+    monkeypatch.setattr(parallel, "STREAMING_MIN", 64)
+    previous = parallel.set_thresholds(4 * 64, 64)
+    try:
+        assert parallel.elementwise(np.tanh, (np.ones(8 * 64),), {}, streaming=True) is None
+    finally:
+        parallel.set_thresholds(*previous)

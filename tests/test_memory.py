@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import pickle
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -370,3 +371,49 @@ def test_a_steady_training_loop_takes_no_new_blocks(pool: memory.Pool) -> None:
     after = memory.memory_stats()
     assert after["allocated_blocks"] == before["allocated_blocks"]
     assert after["reused"] - before["reused"] >= 5 * 8
+
+
+# ----- edges: dtypes, layouts, finalizers, interrupts -----
+def test_results_keep_numpys_dtype_byte_order_and_layout(pool: memory.Pool) -> None:
+    z = pargrad.tensor(np.full(40000, 3 + 4j))
+    assert pargrad.abs(z).data.dtype == np.float64  # complex in, real out
+    swapped = np.linspace(0.1, 1, 40000).astype(">f8")
+    assert large.fresh(np.exp, swapped).dtype == np.exp(swapped).dtype
+    fortran = np.asfortranarray(np.ones((300, 200)))
+    copied = memory.copy(fortran)
+    assert copied.strides == np.array(fortran).strides and not np.shares_memory(copied, fortran)
+    assert memory.copy(np.broadcast_to(2.0, (300, 200))).flags.c_contiguous
+
+
+@pytest.mark.timeout(30)
+def test_a_finalizer_run_inside_the_pools_lock_gets_numpys_memory(pool: memory.Pool) -> None:
+    """A collection inside a locked section may run a finalizer that calls the pool on
+    the same thread: it must not wait for the lock it holds."""
+    with pool._lock:
+        memory._local.holding = pool
+        try:
+            a = memory.empty((50000,))
+            stats = memory.memory_stats()
+            assert memory.set_cache_limit(1 << 20) == stats["cache_limit"]
+        finally:
+            memory._local.holding = None
+    assert a.flags.owndata
+
+
+def test_a_lease_that_died_before_it_was_registered_is_skipped(pool: memory.Pool) -> None:
+    """An interrupt between a lease's weak reference and its registration leaves a dead
+    reference the pool never registered: the next call skips it."""
+    stray = np.ones(3)
+    pool._returned.append(weakref.ref(stray))
+    a = memory.empty((50000,))
+    assert a.shape == (50000,) and not pool._returned
+
+
+def test_arrays_that_die_after_the_pool_is_turned_off_still_come_back(
+        pool: memory.Pool) -> None:
+    a = memory.empty((50000,))
+    memory.set_enabled(False)
+    leased = memory.pool()._leased_bytes
+    del a
+    memory.empty((10,))
+    assert memory.pool()._leased_bytes < leased

@@ -26,7 +26,8 @@ the small arrays where the call is most of the cost."""
 def _sum(total: np.ndarray, grad: np.ndarray) -> np.ndarray:
     """``total + grad`` in a new array; a large one from pargrad's pool (its memory comes
     back to the pool when nothing sees the sum any more: pargrad/memory.py)."""
-    if total.nbytes >= memory.MIN_BYTES and total.shape == grad.shape and total.dtype == grad.dtype:
+    if (total.nbytes >= memory.MIN_BYTES and total.shape == grad.shape
+            and total.dtype == grad.dtype and total.dtype.isnative):
         return _add(total, grad, memory.empty(total.shape, total.dtype))
     return np.asarray(_add(total, grad))
 

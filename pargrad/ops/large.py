@@ -84,8 +84,8 @@ def fresh(ufunc: Callable[..., Any], *args: Any) -> Any:
     """``ufunc(*args)`` into a new array from pargrad's pool (pargrad/memory.py): its
     memory comes back to the pool once nothing can see it, instead of being given back
     to the system and faulted in again. The same bits as ``ufunc(*args)``. Where the
-    arguments are not plain arrays of one floating dtype (with Python numbers and
-    boolean masks beside them), the plain call: numpy allocates."""
+    arguments are not plain arrays of one real floating dtype in native byte order (with
+    Python numbers and boolean masks beside them), the plain call: numpy allocates."""
     found = _result(args)
     if found is None:
         return ufunc(*args)
@@ -105,8 +105,8 @@ def _result(args: tuple[Any, ...]) -> tuple[tuple[int, ...], np.dtype[Any]] | No
             dtypes.add(a.dtype)
         elif type(a) not in _SCALARS:
             return None
-    if len(dtypes) != 1 or (dtype := dtypes.pop()).kind not in "fc":
-        return None
+    if len(dtypes) != 1 or (dtype := dtypes.pop()).kind != "f" or not dtype.isnative:
+        return None  # (complex: abs gives a real result; a swapped byte order: native)
     if len(set(shapes)) == 1:
         return shapes[0], dtype
     try:

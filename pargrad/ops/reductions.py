@@ -94,7 +94,7 @@ def _logsumexp_rule(g: Any, ans: Any, x: Any, *, axis: Axis, keepdims: bool) -> 
 def _cumsum_rule(g: Any, ans: Any, x: Any, *, axis: int) -> Any:
     # The gradient of a running sum is the running sum of g from the other end: the total
     # minus the running sum up to each element, plus that element's own g.
-    if g.size >= large.OUT_MIN and large.plain(g):
+    if g.size >= large.OUT_MIN and large.plain(g) and g.dtype.isnative:
         out = np.cumsum(g, axis=axis, out=memory.empty(g.shape, g.dtype))
         np.subtract(np.sum(g, axis=axis, keepdims=True), out, out=out)
         return np.add(out, g, out=out)
