@@ -260,8 +260,9 @@ def pool(device: Any = None) -> Pool:
 
 
 def empty(shape: tuple[int, ...], dtype: Any = np.float64) -> np.ndarray:
-    """An uninitialised C-contiguous array: from the pool if it has at least ``MIN_BYTES``
-    and caching is on, else ``np.empty``'s."""
+    """An uninitialised C-contiguous array: this thread's ``into`` target if it has this
+    shape and dtype; else from the pool if it has at least ``MIN_BYTES`` and caching is
+    on; else ``np.empty``'s."""
     if type(dtype) is not _Descr:
         dtype = np.dtype(dtype)
     target = getattr(_local, "target", None)
@@ -358,9 +359,9 @@ def cache_limit(device: Any = None) -> int:
 
 def set_cache_limit(nbytes: int, device: Any = None) -> int:
     """Keep at most ``nbytes`` of free blocks (giving back the largest over it now);
-    return the previous limit. 0 keeps none: every block goes back to numpy when its
-    arrays die, as without the pool. Default: a quarter of the machine's memory, or
-    ``PARGRAD_CACHE_LIMIT``."""
+    return the previous limit. 0 keeps none: every block goes back to numpy once its
+    arrays died (at the pool's next call), as without the pool. Default: a quarter of
+    the machine's memory, or ``PARGRAD_CACHE_LIMIT``."""
     if nbytes < 0:
         raise ValueError(f"pargrad.memory.set_cache_limit: a limit of {nbytes} bytes")
     return pool(device).set_limit(int(nbytes))[0]

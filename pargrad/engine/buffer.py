@@ -23,6 +23,7 @@ _add = np.add
 """numpy's add, called with ``out`` positional: ~100 ns less per call than ``out=`` on
 the small arrays where the call is most of the cost."""
 
+
 def _sum(total: np.ndarray, grad: np.ndarray) -> np.ndarray:
     """``total + grad`` in a new array; a large one from pargrad's pool (its memory comes
     back to the pool when nothing sees the sum any more: pargrad/memory.py)."""
