@@ -106,7 +106,8 @@ def _default_sigint_for_marked(request: pytest.FixtureRequest) -> Iterator[None]
 # its test took over RACE_SLOW s in the normal run.
 RACE_FILES = {"test_async.py", "test_concurrency.py", "test_threaded.py",
               "test_engine_lifecycle.py", "test_blas_gate.py", "test_reliability.py",
-              "test_intra_op.py", "test_memory_budget.py", "test_optim.py", "test_undo.py"}
+              "test_intra_op.py", "test_memory_budget.py", "test_optim.py", "test_undo.py",
+              "test_memory.py"}
 RACE_ROUNDS = 10
 RACE_SLOW = 1.0
 _race_round = pytest.StashKey[int]()

@@ -195,30 +195,29 @@ def test_threads_never_get_memory_another_thread_still_sees(pool: memory.Pool) -
 # ----- no recycled buffer is ever visible: random programs on every engine -----
 class Spy:
     """Checks, at every hand-out of the pool, that the new array shares no memory with
-    an array the user can still see."""
+    an array the user can still see. Hooks run on engine threads, at once without the
+    GIL: each array and its snapshot go into the list as one pair (one append)."""
 
     def __init__(self, pool: memory.Pool) -> None:
-        self.visible: list[np.ndarray] = []
-        self.snapshots: list[np.ndarray] = []
+        self.seen: list[tuple[np.ndarray, np.ndarray]] = []
         self.handed = 0
         self._empty = pool.empty
 
     def empty(self, shape: tuple[int, ...], dtype: Any, nbytes: int) -> np.ndarray:
         out = self._empty(shape, dtype, nbytes)
         self.handed += 1
-        for seen in self.visible:
-            assert not np.shares_memory(out, seen), "the pool handed out memory in sight"
+        for visible, _ in list(self.seen):
+            assert not np.shares_memory(out, visible), "the pool handed out memory in sight"
         return out
 
     def see(self, *arrays: Any) -> None:
         for a in arrays:
             a = a.data if isinstance(a, pargrad.Tensor) else a
             if isinstance(a, np.ndarray):
-                self.visible.append(a)
-                self.snapshots.append(a.copy())
+                self.seen.append((a, a.copy()))
 
     def check_unchanged(self) -> None:
-        for a, was in zip(self.visible, self.snapshots):
+        for a, was in list(self.seen):
             assert np.array_equal(a, was, equal_nan=True), "an array in sight was written"
 
 
