@@ -7,7 +7,9 @@ of computing its gradient, timed in two parts (a forward that builds what the ba
 needs, then the backward). ``engine_trial`` runs the pargrad graph on an engine; the
 branchy workloads also give ``ceiling_trial``, exactly the numpy kernels of that backward
 on plain Python threads with no engine at all (the most threads can give), started, like
-the engines' backward, right after the same forward. Every trial's backward returns the
+the engines' backward, right after the same forward; deep-elementwise gives one too,
+its rules' arithmetic split across the threads by elements into buffers allocated once
+(the streaming ceiling). Every trial's backward returns the
 gradient of the first leaf, which the suite checks against the reference's.
 
 Sizes: ``make_workloads(mode)`` gives each workload's parameters for ``full``/``quick``
