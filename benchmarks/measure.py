@@ -153,6 +153,12 @@ def peak_backward_bytes(trial: Trial, repeats: int) -> tuple[int, int]:
     return max(peaks), max(absolute)
 
 
+def _pargrad_memory() -> Any:
+    """pargrad's pool module (pargrad/memory.py), or None in a tree without it
+    (``--compare`` measures older commits too)."""
+    return getattr(importlib.import_module("pargrad"), "memory", None)
+
+
 @contextmanager
 def _pool_keeps_nothing() -> Iterator[None]:
     """pargrad's pool of large arrays (pargrad/memory.py) keeping no free block: each
@@ -160,7 +166,7 @@ def _pool_keeps_nothing() -> Iterator[None]:
     array, so tracemalloc sees the memory of the arrays alive, as it does without the
     pool (a block kept from before tracing started would be reused unseen). A tree
     without the pool (``--compare`` on an older commit) is measured as it is."""
-    memory = getattr(importlib.import_module("pargrad"), "memory", None)
+    memory = _pargrad_memory()
     if memory is None:
         yield
         return
@@ -174,7 +180,7 @@ def _pool_keeps_nothing() -> Iterator[None]:
 def _settle_pool() -> None:
     """Have pargrad's pool give back now the blocks whose arrays died (it does so at its
     next call): else a temporary of the forward would count in the backward's base."""
-    memory = getattr(importlib.import_module("pargrad"), "memory", None)
+    memory = _pargrad_memory()
     if memory is not None:
         memory.memory_stats()
 
@@ -182,7 +188,7 @@ def _settle_pool() -> None:
 def pool_footprint() -> dict[str, int] | None:
     """What pargrad's pool holds now: ``{"leased_bytes", "cached_bytes"}`` (None for a
     tree without the pool)."""
-    memory = getattr(importlib.import_module("pargrad"), "memory", None)
+    memory = _pargrad_memory()
     if memory is None:
         return None
     stats = memory.memory_stats()

@@ -292,11 +292,6 @@ def copy(a: np.ndarray) -> np.ndarray:
     return np.array(a)
 
 
-def empty_like(a: np.ndarray) -> np.ndarray:
-    """``empty(a.shape, a.dtype)``."""
-    return empty(a.shape, a.dtype)
-
-
 def owns_itself(a: np.ndarray) -> bool:
     """Whether ``a`` is an array of its own, not a view of another: one that owns its
     data, or one ``empty`` handed out (its base is the lease, a view of all its bytes on

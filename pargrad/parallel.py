@@ -90,11 +90,13 @@ def set_helpers_finder(finder: Callable[[], Helpers | None]) -> None:
     _helpers_finder = finder
 
 
-def large(arrays: Sequence[Any]) -> bool:
-    """Whether one of ``arrays`` has at least ``min_elements`` elements (cheap: the
-    forward asks it of every elementwise op)."""
+def large(arrays: Sequence[Any], minimum: int | None = None) -> bool:
+    """Whether one of ``arrays`` is an array of at least ``minimum`` elements (default
+    ``min_elements``; cheap: the forward asks it of every elementwise op)."""
+    if minimum is None:
+        minimum = min_elements_
     for a in arrays:  # noqa: SIM110 (a loop: any() would make a generator per op)
-        if type(a) is np.ndarray and a.size >= min_elements_:
+        if type(a) is np.ndarray and a.size >= minimum:
             return True
     return False
 

@@ -245,7 +245,7 @@ class Op:
             elif params:
                 out = self.forward(*arrays, **params)
             elif self.ufunc and (array.size >= buffers.OUT_MIN if one
-                                 else buffers.any_large(arrays)):
+                                 else large(arrays, buffers.OUT_MIN)):
                 out = buffers.fresh(self.forward, *arrays)  # from pargrad's pool (memory.py)
             else:
                 out = self.forward(*arrays)

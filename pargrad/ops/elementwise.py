@@ -36,11 +36,11 @@ def elementwise_op(name: str, forward: Any, *rules: Any, cut: tuple[str | int, .
 
 # ----- arithmetic -----
 add = elementwise_op("add", np.add,
-            lambda g, ans, x, y: g,
-            lambda g, ans, x, y: g, needs_values=False)
+                     lambda g, ans, x, y: g,
+                     lambda g, ans, x, y: g, needs_values=False)
 subtract = elementwise_op("subtract", np.subtract,
-                 lambda g, ans, x, y: g,
-                 lambda g, ans, x, y: large.neg(g), needs_values=False)
+                          lambda g, ans, x, y: g,
+                          lambda g, ans, x, y: large.neg(g), needs_values=False)
 
 
 def _times(g: Any, other: Any) -> Any:
@@ -54,8 +54,8 @@ def _times(g: Any, other: Any) -> Any:
 
 
 multiply = elementwise_op("multiply", np.multiply,
-                 lambda g, ans, x, y: _times(g, y),
-                 lambda g, ans, x, y: _times(g, x))
+                          lambda g, ans, x, y: _times(g, y),
+                          lambda g, ans, x, y: _times(g, x))
 
 
 def _divide_divisor_rule(g: Any, ans: Any, x: Any, y: Any) -> Any:
@@ -68,10 +68,10 @@ def _divide_divisor_rule(g: Any, ans: Any, x: Any, y: Any) -> Any:
 
 
 divide = elementwise_op("divide", np.divide,
-               lambda g, ans, x, y: large.over(g, y),
-               _divide_divisor_rule, cut=(1,))
+                        lambda g, ans, x, y: large.over(g, y),
+                        _divide_divisor_rule, cut=(1,))
 negative = elementwise_op("negative", np.negative,
-                 lambda g, ans, x: large.neg(g), needs_values=False)
+                          lambda g, ans, x: large.neg(g), needs_values=False)
 
 
 def _power_base_rule(g: Any, ans: Any, x: Any, y: Any) -> Any:
@@ -83,9 +83,9 @@ def _power_base_rule(g: Any, ans: Any, x: Any, y: Any) -> Any:
 
 # d(x**y)/dy takes log(x) as 0 at x == 0, so 0**y (y > 0) has gradient 0 in y.
 power = elementwise_op("power", np.power,
-              _power_base_rule,
-              lambda g, ans, x, y: g * ans * np.log(np.where(x == 0, 1, x)),
-              cut=("forward", 0, 1))
+                       _power_base_rule,
+                       lambda g, ans, x, y: g * ans * np.log(np.where(x == 0, 1, x)),
+                       cut=("forward", 0, 1))
 
 # ----- exponentials and powers -----
 def _sqrt_rule(g: Any, ans: Any, x: Any) -> Any:
@@ -148,6 +148,8 @@ def _relu_rule(g: Any, ans: Any, x: Any) -> Any:
 
 
 abs = elementwise_op("absolute", np.absolute, _abs_rule)
+
+
 def _relu(x: Any) -> Any:
     if type(x) is np.ndarray and x.size >= large.OUT_MIN:
         return large.fresh(np.maximum, x, 0)
@@ -155,23 +157,23 @@ def _relu(x: Any) -> Any:
 
 
 relu = elementwise_op("relu", _relu, _relu_rule,
-             doc="max(x, 0), elementwise; its gradient at 0 is taken as 0.")
+                      doc="max(x, 0), elementwise; its gradient at 0 is taken as 0.")
 maximum = elementwise_op("maximum", np.maximum,
-                lambda g, ans, x, y: np.where(x == y, g / 2, g * (x > y)),
-                lambda g, ans, x, y: np.where(x == y, g / 2, g * (y > x)))
+                         lambda g, ans, x, y: np.where(x == y, g / 2, g * (x > y)),
+                         lambda g, ans, x, y: np.where(x == y, g / 2, g * (y > x)))
 minimum = elementwise_op("minimum", np.minimum,
-                lambda g, ans, x, y: np.where(x == y, g / 2, g * (x < y)),
-                lambda g, ans, x, y: np.where(x == y, g / 2, g * (y < x)))
+                         lambda g, ans, x, y: np.where(x == y, g / 2, g * (x < y)),
+                         lambda g, ans, x, y: np.where(x == y, g / 2, g * (y < x)))
 # clip is min(max(x, lo), hi): the gradient goes to x where lo <= x <= hi, else to the
 # bound that was used (hi wherever lo > hi, as numpy then returns hi).
 _clip = elementwise_op("clip", np.clip,
-              lambda g, ans, x, lo, hi: large.times(g, np.logical_and(x >= lo, x <= hi)),
-              lambda g, ans, x, lo, hi: g * np.logical_and(x < lo, lo <= hi),
-              lambda g, ans, x, lo, hi: g * np.logical_or(x > hi, lo > hi))
+                       lambda g, ans, x, lo, hi: large.times(g, np.logical_and(x >= lo, x <= hi)),
+                       lambda g, ans, x, lo, hi: g * np.logical_and(x < lo, lo <= hi),
+                       lambda g, ans, x, lo, hi: g * np.logical_or(x > hi, lo > hi))
 _where = elementwise_op("where", np.where,
-               nondifferentiable,
-               lambda g, ans, c, x, y: np.where(c, g, 0),
-               lambda g, ans, c, x, y: np.where(c, 0, g))
+                        nondifferentiable,
+                        lambda g, ans, c, x, y: np.where(c, g, 0),
+                        lambda g, ans, c, x, y: np.where(c, 0, g))
 
 # ----- trigonometric and hyperbolic -----
 def _sin_rule(g: Any, ans: Any, x: Any) -> Any:
@@ -223,9 +225,11 @@ def _softplus_rule(g: Any, ans: Any, x: Any) -> Any:
 sin = elementwise_op("sin", np.sin, _sin_rule, cut=("forward", 0))
 cos = elementwise_op("cos", np.cos, _cos_rule, cut=("forward", 0))
 tanh = elementwise_op("tanh", np.tanh, _tanh_rule, cut=("forward",))
-# 0.5 * (1 + tanh(x / 2)) is sigmoid without overflow for large |x|.
+
+
 def _sigmoid(x: Any) -> Any:
-    # Large: the same steps in the one buffer of the result.
+    # 0.5 * (1 + tanh(x / 2)) is sigmoid without overflow for large |x|. Large: the same
+    # steps in the one buffer of the result.
     if type(x) is np.ndarray and x.size >= large.OUT_MIN and x.dtype.kind == "f":
         out = large.fresh(np.multiply, 0.5, x)
         np.tanh(out, out=out)
@@ -235,8 +239,10 @@ def _sigmoid(x: Any) -> Any:
 
 
 sigmoid = elementwise_op("sigmoid", _sigmoid, _sigmoid_rule,
-                cut=("forward",),
-                doc="1 / (1 + exp(-x)), elementwise, without overflow.")
+                         cut=("forward",),
+                         doc="1 / (1 + exp(-x)), elementwise, without overflow.")
+
+
 def _softplus(x: Any) -> Any:
     if type(x) is np.ndarray and x.size >= large.OUT_MIN:
         return large.fresh(np.logaddexp, 0, x)
@@ -244,14 +250,14 @@ def _softplus(x: Any) -> Any:
 
 
 softplus = elementwise_op("softplus", _softplus, _softplus_rule,
-                 cut=("forward", 0),
-                 doc="log(1 + exp(x)), elementwise, without overflow.")
+                          cut=("forward", 0),
+                          doc="log(1 + exp(x)), elementwise, without overflow.")
 
 # ----- copies and dtype -----
 copy = elementwise_op("copy", lambda x: np.array(x, copy=True), lambda g, ans, x: g,
-             needs_values=False, doc="A copy with its own memory (differentiable).")
+                      needs_values=False, doc="A copy with its own memory (differentiable).")
 _astype = elementwise_op("astype", lambda x, *, dtype: x.astype(dtype),
-                lambda g, ans, x, *, dtype: g.astype(x.dtype), needs_values=False)
+                         lambda g, ans, x, *, dtype: g.astype(x.dtype), needs_values=False)
 
 implements(np.copy)(copy)
 

@@ -43,14 +43,6 @@ def plain(*arrays: Any) -> bool:
     return all(type(array) is _ndarray for array in arrays)
 
 
-def any_large(arrays: Any) -> bool:
-    """Whether one of ``arrays`` is an array of at least ``OUT_MIN`` elements."""
-    for a in arrays:  # noqa: SIM110 (a loop: any() would make a generator per op)
-        if type(a) is _ndarray and a.size >= OUT_MIN:
-            return True
-    return False
-
-
 def uniform(g: np.ndarray) -> Any:
     """The one value of ``g`` (a numpy scalar) where ``g`` is a broadcast of it (every
     stride 0, as ``sum``'s rule returns its gradient), else None.
