@@ -32,7 +32,8 @@ Guarantees:
   dtype, uninitialised, at the same alignment as ``np.empty``'s (a block's start). It
   does not own its data (``.flags.owndata`` is False, so ``ndarray.resize`` refuses);
   everything else is a numpy array like any other.
-- A block is reused for a request of its size in pages, or up to an eighth smaller;
+- A block is reused for a request of its size, or up to an eighth smaller (a block is
+  allocated at the size asked, so peak memory is what numpy's own arrays would take);
   free blocks are kept up to ``cache_limit()`` bytes, the rest given back to numpy.
 - Thread-safe: one lock per pool (``Pool._lock``), held for a few dictionary operations,
   never while numpy allocates or anything else of pargrad's runs. A finalizer that a
@@ -68,7 +69,6 @@ MIN_BYTES = 1 << 17
 """Arrays from this many bytes come from the pool (128 KiB: glibc's default threshold
 for giving an allocation its own mapping, which is what faults in again)."""
 
-_PAGE = 4096
 _Descr = type(np.dtype(np.float64))
 _local = threading.local()
 """Per thread: ``holding``, the pool whose lock it holds; ``target``, ``into``'s array."""
@@ -120,13 +120,12 @@ class Pool:
         """A fresh array of ``nbytes`` (``shape``'s elements of ``dtype``) on a block."""
         if self._mine():
             return np.empty(shape, dtype)
-        size = (nbytes + _PAGE - 1) & -_PAGE
         block = None
         with self._lock:
             _local.holding = self
             if self._returned:
                 self._reclaim()
-            blocks = self._free.get(size) or self._near(size)
+            blocks = self._free.get(nbytes) or self._near(nbytes)
             if blocks:
                 block = blocks.pop()
                 self._cached -= block.size
@@ -135,7 +134,7 @@ class Pool:
                 self._new += 1
             _local.holding = None
         if block is None:
-            block = np.ndarray.__new__(_Block, (size,), np.uint8)
+            block = np.ndarray.__new__(_Block, (nbytes,), np.uint8)
         # The lease: a plain view of the block's first bytes, which the array handed out
         # and all its views hold (the array's base).
         lease = np.ndarray((nbytes,), np.uint8, block)
