@@ -219,7 +219,10 @@ class Op:
             grad = x._requires_grad
             array = x.data
             arrays = held = (array,) if n == 1 else (array, args[1])
-            big = self.cut_forward and array.size >= parallel.min_elements_
+            size = array.size
+            # Large: from pargrad's pool (memory.py), or cut into chunks.
+            big = size >= buffers.OUT_MIN or (
+                self.cut_forward and size >= parallel.min_elements_)
         else:
             arrays = []
             device = None
@@ -236,19 +239,20 @@ class Op:
                     return self.outputs(*args, **params)[0]
                 else:
                     arrays.append(a)
-            big = self.cut_forward and large(arrays)
+            size = 0
+            big = (self.cut_forward and large(arrays)) or (
+                self.ufunc and large(arrays, buffers.OUT_MIN))
         try:
-            if big:  # in chunks, helped by idle threads
-                out = elementwise(self.forward, arrays, params)
+            if big:
+                out = None
+                if self.cut_forward and (size >= parallel.min_elements_ if one
+                                         else large(arrays)):
+                    out = elementwise(self.forward, arrays, params)  # helped by idle threads
                 if out is None:
-                    out = self.forward(*arrays, **params)
-            elif params:
-                out = self.forward(*arrays, **params)
-            elif self.ufunc and (array.size >= buffers.OUT_MIN if one
-                                 else large(arrays, buffers.OUT_MIN)):
-                out = buffers.fresh(self.forward, *arrays)  # from pargrad's pool (memory.py)
+                    out = (buffers.fresh(self.forward, *arrays) if self.ufunc and not params
+                           else self.forward(*arrays, **params))
             else:
-                out = self.forward(*arrays)
+                out = self.forward(*arrays, **params) if params else self.forward(*arrays)
         except (ValueError, IndexError, TypeError) as exc:
             raise _forward_error(self.name, exc, arrays, params) from exc
         if type(out) is not np.ndarray:
