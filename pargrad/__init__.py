@@ -112,6 +112,7 @@ from pargrad.ops.functions import (
     tanh,
 )
 from pargrad.random import Generator, rand, randn
+from pargrad.replay.step import CaptureStats, CaptureWarning, capture
 from pargrad.tensor import Tensor, tensor
 
 __version__ = "0.1.0"
@@ -120,7 +121,8 @@ __all__ = [
     "AccumulateGrad", "BackwardError", "BackwardFuture", "BackwardRequest", "Device", "Engine",
     "Function", "FunctionCtx", "Generator", "GradcheckError", "Node", "SequentialEngine", "Tensor",
     "ThreadedEngine", "abs", "add", "arange", "argmax", "argmin", "astype", "backward",
-    "backward_async", "binary_cross_entropy_with_logits", "broadcast_to", "checkpoint",
+    "backward_async", "binary_cross_entropy_with_logits", "broadcast_to", "capture",
+    "CaptureStats", "CaptureWarning", "checkpoint",
     "clip", "concatenate", "copy", "cos", "cross_entropy", "cumsum", "current_engine",
     "detect_anomaly", "device", "divide", "dot", "empty", "empty_cache", "enable_grad", "exp",
     "expand_dims", "expm1", "eye", "from_numpy", "full", "full_like", "get_default_engine",

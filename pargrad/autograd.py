@@ -30,6 +30,7 @@ from pargrad.grad_mode import enable_grad, no_grad
 from pargrad.graph import AccumulateGrad, BackwardError, Edge, Grad
 from pargrad.interrupts import HELD, NODE, deferred_interrupts, gate_installed
 from pargrad.ops import copy
+from pargrad.replay import recorder
 from pargrad.tensor import Tensor, bind_backward, grad_lock
 from pargrad.versions import counter_of
 
@@ -206,6 +207,8 @@ class _Call:
 
     def _set(self, roots: tuple[Tensor, ...], grads: list[Grad], retain_graph: bool | None,
              create_graph: bool, engine: Engine | None) -> None:
+        if recorder.active:
+            recorder.fail("a backward or grad() runs inside the function")
         if engine is not None and not isinstance(engine, Engine):
             raise TypeError(f"engine= must be a pargrad Engine (e.g. pargrad.ThreadedEngine()), "
                             f"got {type(engine).__name__} {engine!r}")

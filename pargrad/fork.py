@@ -44,6 +44,7 @@ import threading
 from pargrad import anomaly, devices, grad_mode, graph, hooks, memory, tensor, versions
 from pargrad import futures as _futures
 from pargrad.engine import blas, selection, threaded, trace
+from pargrad.replay import recorder
 
 GLOBAL_LOCKS: tuple[threading.Lock, ...] = (
     # The chain of the lock table's order: grad_lock -> _accumulator_lock -> _sequence_lock.
@@ -66,6 +67,7 @@ GLOBAL_LOCKS: tuple[threading.Lock, ...] = (
     trace._profiles_lock,
     trace._task_lock,
     memory._lock,
+    recorder._lock,
 )
 """Every process-wide lock of pargrad but the mode counts' two (made anew in the child
 instead), in the order the fork handler takes them."""
@@ -83,6 +85,7 @@ def _after_in_child() -> None:
         future._condition._at_fork_reinit()  # type: ignore[attr-defined]
     in_flight = [f for f in futures if not f.done()]
     blas._in_gate = 0  # the parent's BLAS nodes are not running here
+    recorder.after_fork_in_child()  # the parent's other threads record nothing here
     # Only this thread is left: it alone is counted with grad mode off or anomaly on.
     # The counts' locks are not taken before the fork (an at-fork handler registered
     # before pargrad's may switch a mode, which takes them): a parent thread may have

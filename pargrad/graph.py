@@ -28,6 +28,7 @@ import numpy as np
 from pargrad import anomaly
 from pargrad.devices import CPU, Device, gil_enabled
 from pargrad.hooks import Hook, NodeHooks, RemovableHandle
+from pargrad.replay import recorder
 from pargrad.shapes import sum_to
 
 if TYPE_CHECKING:
@@ -179,6 +180,8 @@ class Node:
         return self._hooks_made().add("post", hook)
 
     def _hooks_made(self) -> NodeHooks:
+        if recorder.active:
+            recorder.fail("a hook is registered (or retain_grad called) on a tensor or node")
         with _hooks_made_lock:
             if self._hooks is None:
                 self._hooks = NodeHooks()

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from pargrad.ops import core, elementwise, nn, reductions
+from pargrad.replay import recorder
 from pargrad.tensor import Tensor
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -54,22 +55,29 @@ def nll_loss(log_probs: Any, target: Any, axis: int = -1, reduction: str = "mean
     axis = core.normalize_axis(axis, core.ndim_of(log_probs), "nll_loss")
     shape = np.shape(core.array_of(log_probs))
     classes = shape[axis]
-    labels = np.asarray(core.array_of(target))
-    if labels.dtype.kind not in "iu":
-        raise ValueError(f"nll_loss: target must hold integer class indices, got dtype "
-                         f"{labels.dtype} (for probabilities use cross_entropy)")
     expected = shape[:axis] + shape[axis + 1:]
-    if labels.shape != expected:
-        raise ValueError(f"nll_loss: target has shape {labels.shape}, but log_probs of shape "
-                         f"{shape} with classes along axis {axis} "
-                         f"need one class per sample: shape {expected}")
-    if labels.size and (labels.min() < 0 or labels.max() >= classes):
-        raise ValueError(f"nll_loss: target holds classes {labels.min()}..{labels.max()}, "
-                         f"but there are {classes} classes (along axis {axis})")
-    # One-hot along the class axis: picks each sample's class, differentiable in log_probs.
-    along = [1] * len(shape)
-    along[axis] = classes
-    one_hot = np.expand_dims(labels, axis) == np.arange(classes).reshape(along)
+
+    def pick(target_array: Any) -> np.ndarray:
+        """One-hot along the class axis (checked): picks each sample's class."""
+        labels = np.asarray(target_array)
+        if labels.dtype.kind not in "iu":
+            raise ValueError(f"nll_loss: target must hold integer class indices, got dtype "
+                             f"{labels.dtype} (for probabilities use cross_entropy)")
+        if labels.shape != expected:
+            raise ValueError(f"nll_loss: target has shape {labels.shape}, but log_probs of "
+                             f"shape {shape} with classes along axis {axis} "
+                             f"need one class per sample: shape {expected}")
+        if labels.size and (labels.min() < 0 or labels.max() >= classes):
+            raise ValueError(f"nll_loss: target holds classes {labels.min()}..{labels.max()}"
+                             f", but there are {classes} classes (along axis {axis})")
+        along = [1] * len(shape)
+        along[axis] = classes
+        return np.expand_dims(labels, axis) == np.arange(classes).reshape(along)
+
+    one_hot = pick(core.array_of(target))
+    if recorder.active:  # pargrad.capture: a replay picks its own target's classes
+        recorder.derived(pick, (target,), one_hot)
+    # Differentiable in log_probs.
     picked = reductions.sum(elementwise.multiply(log_probs, one_hot), axis=axis)
     return _reduce(elementwise.negative(picked), reduction, "nll_loss")
 

@@ -17,12 +17,14 @@ True
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from pargrad.devices import CPU
 from pargrad.devices import device as as_device
+from pargrad.replay import recorder
 from pargrad.tensor import Tensor
 
 
@@ -43,14 +45,17 @@ class Generator:
         with self._lock:
             self._rng = np.random.default_rng(seed)
 
-    def _leaf(self, draw: str, args: tuple[Any, ...], dtype: Any, requires_grad: bool,
-              device: Any) -> Tensor:
+    def draw(self, draw: str, args: tuple[Any, ...], dtype: Any = None) -> np.ndarray:
+        """The array of numpy's ``Generator.<draw>(*args)``, cast to ``dtype``."""
         with self._lock:
             array = np.asarray(getattr(self._rng, draw)(*args))
         if dtype is not None:
             array = array.astype(dtype, copy=False)
-        leaf = Tensor._make(array, device=CPU if device is None else as_device(device))
-        return leaf.requires_grad_(requires_grad)
+        return array
+
+    def _leaf(self, draw: str, args: tuple[Any, ...], dtype: Any, requires_grad: bool,
+              device: Any) -> Tensor:
+        return drawn(lambda: self.draw(draw, args, dtype), device, requires_grad)
 
     def normal(self, loc: float = 0.0, scale: float = 1.0, size: Any = None,
                dtype: Any = np.float64, *, requires_grad: bool = False,
@@ -82,6 +87,18 @@ class Generator:
                  device: Any = None) -> Tensor:
         """Random int64 values in ``[low, high)`` (``[0, low)`` if ``high`` is None)."""
         return self._leaf("integers", (low, high, size), None, False, device)
+
+
+def drawn(make: Callable[[], np.ndarray], device: Any = None,
+          requires_grad: bool = False) -> Tensor:
+    """A leaf Tensor of ``make()``'s array, ``make`` drawing random values: a function
+    that ``pargrad.capture`` records calls ``make`` again on every replay, as calling the
+    function would."""
+    leaf = Tensor._make(make(), device=CPU if device is None else as_device(device))
+    leaf.requires_grad_(requires_grad)
+    if recorder.active and (found := recorder.current()) is not None:
+        found.note_random(make, leaf)
+    return leaf
 
 
 def _shape(shape: tuple[Any, ...]) -> tuple[int, ...]:

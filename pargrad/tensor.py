@@ -22,6 +22,7 @@ from pargrad.devices import device as as_device
 from pargrad.graph import AccumulateGrad, Edge, Meta, Node, set_gradient_view
 from pargrad.hooks import Hook, NodeHooks, RemovableHandle
 from pargrad.numpy_names import numpy_names
+from pargrad.replay import recorder as _recorder
 from pargrad.versions import Saved, SavedVersion, VersionCounter, counter_of
 from pargrad.views import View, refresh
 
@@ -134,6 +135,8 @@ class Tensor:
         self._hooks = None
         self._counter = None
         self._view = None
+        if _recorder.active and (found := _recorder.current()) is not None:
+            found.note_constant(self, data)  # pargrad.capture: a constant of the recording
 
     @classmethod
     def _make(
@@ -157,6 +160,8 @@ class Tensor:
         t._hooks = None
         t._counter = None
         t._view = None
+        if _recorder.active:  # pargrad.capture: made by a call no recording noted (yet)
+            _recorder.note_made(t)
         return t
 
     # ----- autograd state -----
@@ -237,6 +242,8 @@ class Tensor:
         nodes that saved this tensor)."""
         leaf = Tensor._make(self.data, device=self._device)
         leaf._counter = counter_of(self)
+        if _recorder.active and (found := _recorder.current()) is not None:
+            found.note_detach(self, leaf)
         return leaf
 
     def detach_(self) -> Tensor:
@@ -383,6 +390,8 @@ class Tensor:
                                f"with requires_grad=True")
 
     def _leaf_hooks(self) -> NodeHooks:
+        if _recorder.active:
+            _recorder.fail("a hook is registered on a tensor")
         with _accumulator_lock:
             if self._hooks is None:
                 self._hooks = NodeHooks()
@@ -433,10 +442,14 @@ class Tensor:
 
     def numpy(self) -> np.ndarray:
         """The underlying array (shared, not copied; not tracked by autograd)."""
+        if _recorder.active:
+            _recorder.fail("tensor.numpy() reads a value back into Python")
         return self.data
 
     def item(self) -> Any:
         """The value of a one-element tensor as a Python scalar."""
+        if _recorder.active:
+            _recorder.fail("tensor.item() reads a value back into Python")
         return self.data.item()
 
     def __len__(self) -> int:
@@ -447,15 +460,23 @@ class Tensor:
             yield self[i]
 
     def __bool__(self) -> bool:
+        if _recorder.active:
+            _recorder.fail("bool(tensor) reads a value back into Python")
         return bool(self.data)
 
     def __float__(self) -> float:
+        if _recorder.active:
+            _recorder.fail("float(tensor) reads a value back into Python")
         return float(self.data)
 
     def __int__(self) -> int:
+        if _recorder.active:
+            _recorder.fail("int(tensor) reads a value back into Python")
         return int(self.data)
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        if _recorder.active:
+            _recorder.fail("numpy.asarray(tensor) reads a value back into numpy")
         if dtype is not None and dtype != self.data.dtype:
             if copy is False:
                 raise ValueError(f"cannot convert a {self.dtype} tensor to {dtype} without a copy")
@@ -970,3 +991,6 @@ def bind_backward(backward: Callable[..., None]) -> None:
 for _name in ("sum", "mean", "max", "min", "logsumexp", "softmax", "log_softmax", "squeeze",
               "expand_dims", "split", "prod", "cumsum", "var", "std", "argmax", "argmin"):
     setattr(Tensor, _name, numpy_names(getattr(Tensor, _name)))
+
+
+_recorder.bind_tensor(Tensor)  # pargrad.capture's recorder tells tensors apart

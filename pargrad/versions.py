@@ -20,6 +20,7 @@ import threading
 from typing import Any, NoReturn
 
 from pargrad.graph import BackwardError
+from pargrad.replay import recorder
 
 
 class VersionCounter:
@@ -31,6 +32,9 @@ class VersionCounter:
         self.value = 0
 
     def bump(self) -> None:
+        if recorder.active:
+            recorder.fail("a tensor is changed in place (an in-place op, an item "
+                          "assignment, or an optimizer step)")
         self.value += 1
 
 

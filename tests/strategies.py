@@ -226,9 +226,11 @@ def graph_recipes(draw: st.DrawFn, max_steps: int = 12,
 
 
 def make_recipe(choose: Choices, max_steps: int = 12,
-                dtypes: Sequence[type] = (np.float64,)) -> GraphRecipe:
+                dtypes: Sequence[type] = (np.float64,),
+                kinds: Sequence[str] = UNARY_STEPS + BINARY_STEPS + MULTI_STEPS) -> GraphRecipe:
     """A random DAG: fan-out, fan-in, diamonds, multi-output nodes with unused outputs,
-    leaves that need no grad, broadcasting, shared leaves and several roots."""
+    leaves that need no grad, broadcasting, shared leaves and several roots. ``kinds``:
+    the steps to draw from (without ``MULTI_STEPS``: no custom Function)."""
     n = choose.integer(1, 3)
     leaf_shapes = [(n, n), (n,), (1, n), (n, 1), ()]
     n_leaves = choose.integer(1, 4)
@@ -242,7 +244,7 @@ def make_recipe(choose: Choices, max_steps: int = 12,
     needs = list(flags)
     steps = []
     for _ in range(choose.integer(1, max_steps)):
-        kind = choose.sample(UNARY_STEPS + BINARY_STEPS + MULTI_STEPS)
+        kind = choose.sample(kinds)
         # Counted from the newest value, so that shrinking leans to deep graphs.
         i = len(shapes) - 1 - choose.integer(0, len(shapes) - 1)
         if kind in UNARY_STEPS or kind in MULTI_STEPS:
@@ -269,3 +271,161 @@ def make_recipe(choose: Choices, max_steps: int = 12,
     root_grads = tuple(_uniform(choose.integer(0, 2**32 - 1), shapes[r], np.float64, -2.0, 2.0)
                        for r in roots)
     return GraphRecipe(n, tuple(leaves), tuple(flags), tuple(steps), tuple(roots), root_grads)
+
+
+# ----- random steps for pargrad.capture -----
+# A StepRecipe is a random training step described as data: a function of its arguments
+# (a batch ``x``, integer ``labels``, a row order ``rows``) and of outside tensors
+# (weights it closes over), built from ops of every family capture records: elementwise
+# ops and broadcasting, matmul, reductions, views and indexing by an argument, ops of
+# several outputs, comparisons (masks), random draws (dropout), losses on integer labels.
+
+STEP_UNARY = ["tanh", "sin", "sigmoid", "relu", "square", "abs", "softplus", "exp_clip",
+              "log1p_square", "scale"]
+STEP_OTHER = ["add_weight", "mul_weight", "div_weight", "fan_weight", "matmul", "add", "mul",
+              "sub", "fan", "center", "max_scale", "logsumexp", "softmax", "log_softmax",
+              "cumsum", "where", "dropout", "reshape", "transpose", "rows", "split", "stack"]
+
+
+@dataclass(frozen=True)
+class StepRecipe:
+    """A random step over values of shape ``(batch, n)`` (every step keeps that shape)."""
+
+    batch: int
+    n: int
+    weights: tuple[tuple[tuple[int, ...], bool], ...]  # per weight: shape, requires_grad
+    x_requires_grad: bool
+    steps: tuple[tuple[Any, ...], ...]  # (kind, value index, other index or weight, ...)
+    loss_values: tuple[int, ...]  # the values summed into the loss
+    with_labels: bool  # the loss also takes cross_entropy(last value, labels)
+    returns_value: int | None  # a value returned beside the loss (None: the loss alone)
+
+    def weight_arrays(self, seed: int) -> list[np.ndarray]:
+        rng = np.random.default_rng(seed)
+        return [rng.uniform(-1.0, 1.0, shape) for shape, _ in self.weights]
+
+    def arguments(self, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``x``, ``labels`` and ``rows`` for one call."""
+        rng = np.random.default_rng(seed)
+        return (rng.uniform(-1.5, 1.5, (self.batch, self.n)),
+                rng.integers(0, self.n, self.batch), rng.permutation(self.batch))
+
+    def run(self, x: Any, labels: Any, rows: Any, weights: Sequence[Any]) -> Any:
+        """The step: its loss, or ``(loss, value)``."""
+        import pargrad
+
+        values = [x]
+        for step in self.steps:
+            kind, a = step[0], values[step[1]]
+            if kind == "tanh":
+                out = pargrad.tanh(a)
+            elif kind == "sin":
+                out = pargrad.sin(a)
+            elif kind == "sigmoid":
+                out = pargrad.sigmoid(a)
+            elif kind == "relu":
+                out = pargrad.relu(a)
+            elif kind == "square":
+                out = pargrad.square(a)
+            elif kind == "abs":
+                out = pargrad.abs(a)
+            elif kind == "softplus":
+                out = pargrad.softplus(a)
+            elif kind == "exp_clip":
+                out = pargrad.exp(pargrad.clip(a, -3.0, 3.0))
+            elif kind == "log1p_square":
+                out = pargrad.log1p(a * a)
+            elif kind == "scale":
+                out = a * step[2] + 0.25
+            elif kind == "add_weight":
+                out = a + weights[step[2]]
+            elif kind == "mul_weight":
+                out = a * weights[step[2]]
+            elif kind == "div_weight":
+                out = a / (weights[step[2]] * weights[step[2]] + 1.0)
+            elif kind == "fan_weight":  # a weight's gradient summed from four uses
+                w = weights[step[2]]
+                out = a * w + w * 0.5 + pargrad.tanh(w) * a
+            elif kind == "fan":  # a value's gradient summed from four uses
+                out = a * 0.5 + a * a + pargrad.sin(a)
+            elif kind == "matmul":
+                out = a @ weights[step[2]]
+            elif kind in ("add", "mul", "sub"):
+                b = values[step[2]]
+                out = a + b if kind == "add" else a * b if kind == "mul" else a - b
+            elif kind == "center":
+                out = a - a.mean(axis=1, keepdims=True)
+            elif kind == "max_scale":
+                out = a * pargrad.max(a, axis=1, keepdims=True)
+            elif kind == "logsumexp":
+                out = a - pargrad.logsumexp(a, axis=1, keepdims=True)
+            elif kind == "softmax":
+                out = pargrad.softmax(a, axis=-1)
+            elif kind == "log_softmax":
+                out = pargrad.log_softmax(a, axis=-1)
+            elif kind == "cumsum":
+                out = pargrad.cumsum(a, axis=1)
+            elif kind == "where":
+                out = pargrad.where(a > 0, a, values[step[2]] * 0.5)
+            elif kind == "dropout":
+                out = pargrad.nn.functional.dropout(a, 0.4)
+            elif kind == "reshape":
+                out = a.reshape(-1).reshape(self.batch, self.n) * 1.5
+            elif kind == "transpose":
+                out = a.T.T + a.T.T
+            elif kind == "rows":
+                out = a[rows]
+            elif kind == "split":
+                parts = pargrad.split(pargrad.concatenate([a, values[step[2]]], axis=1), 2,
+                                      axis=1)
+                out = parts[step[3]]
+            else:  # stack
+                out = pargrad.stack([a, values[step[2]]]).sum(axis=0)
+            values.append(out)
+        loss = pargrad.sum(values[self.loss_values[0]])
+        for i in self.loss_values[1:]:
+            loss = loss + pargrad.mean(values[i])
+        if self.with_labels:
+            loss = loss + pargrad.cross_entropy(values[-1], labels)
+        if self.returns_value is None:
+            return loss
+        return loss, values[self.returns_value]
+
+
+@st.composite
+def step_recipes(draw: st.DrawFn, max_steps: int = 8) -> StepRecipe:
+    """A random ``StepRecipe``."""
+    batch = draw(st.integers(1, 3))
+    n = draw(st.integers(2, 3))
+    weights = []
+    for _ in range(draw(st.integers(1, 3))):
+        shape = draw(st.sampled_from([(n, n), (n,), (1, n)]))
+        weights.append((shape, draw(st.booleans()) or not weights))
+    steps: list[tuple[Any, ...]] = []
+    for _ in range(draw(st.integers(1, max_steps))):
+        kind = draw(st.sampled_from(STEP_UNARY + STEP_OTHER))
+        i = len(steps) - draw(st.integers(0, len(steps)))  # newest first, when shrunk
+        j = draw(st.integers(0, len(steps)))
+        if kind == "scale":
+            steps.append((kind, i, draw(st.sampled_from([0.5, -1.25, 2.0]))))
+        elif kind == "matmul":
+            squares = [w for w, (shape, _) in enumerate(weights) if shape == (n, n)]
+            if not squares:
+                weights.append(((n, n), draw(st.booleans())))
+                squares = [len(weights) - 1]
+            steps.append((kind, i, draw(st.sampled_from(squares))))
+        elif kind.endswith("_weight"):  # broadcast along the batch
+            rows = [w for w, (shape, _) in enumerate(weights) if shape != (n, n)]
+            if not rows:
+                weights.append(((n,), draw(st.booleans())))
+                rows = [len(weights) - 1]
+            steps.append((kind, i, draw(st.sampled_from(rows))))
+        elif kind == "split":
+            steps.append((kind, i, j, draw(st.integers(0, 1))))
+        else:
+            steps.append((kind, i, j))
+    count = len(steps) + 1
+    loss_values = tuple(draw(st.lists(st.integers(0, count - 1), min_size=1, max_size=3)))
+    returns = draw(st.one_of(st.none(), st.integers(0, count - 1)))
+    return StepRecipe(batch, n, tuple(weights), draw(st.booleans()), tuple(steps), loss_values,
+                      draw(st.booleans()), returns)

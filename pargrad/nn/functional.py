@@ -68,10 +68,17 @@ def dropout(x: Any, p: float = 0.5, training: bool = True,
     if not training or p == 0.0:
         return x if isinstance(x, Tensor) else Tensor(x)
     array = _array(x)
-    draws = (generator or random.default_generator).uniform(size=array.shape).data
-    scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
-    mask = (draws >= p).astype(array.dtype) * array.dtype.type(scale)
-    return x * mask if isinstance(x, Tensor) else Tensor(array * mask)
+    source = generator or random.default_generator
+    scale = array.dtype.type(0.0 if p == 1.0 else 1.0 / (1.0 - p))
+    shape, dtype = array.shape, array.dtype
+
+    def mask() -> np.ndarray:
+        draws = source.draw("uniform", (0.0, 1.0, shape), np.float64)
+        return (draws >= p).astype(dtype) * scale
+
+    if not isinstance(x, Tensor):
+        return random.drawn(lambda: array * mask())
+    return x * random.drawn(mask)  # drawn afresh on every replay of pargrad.capture
 
 
 def layer_norm(x: Any, normalized_shape: int | tuple[int, ...], weight: Any = None,

@@ -37,6 +37,7 @@ from pargrad.graph import (
 )
 from pargrad.ops import large as buffers
 from pargrad.parallel import elementwise, large
+from pargrad.replay import recorder
 from pargrad.shapes import sum_to
 from pargrad.tensor import Tensor, check_saved_data, saved_versions
 from pargrad.versions import Saved, SavedVersion, VersionCounter, changed, check, counter_of
@@ -255,7 +256,8 @@ class Op:
                 out = self.forward(*arrays, **params) if params else self.forward(*arrays)
         except (ValueError, IndexError, TypeError) as exc:
             raise _forward_error(self.name, exc, arrays, params) from exc
-        if type(out) is not np.ndarray:
+        raw = type(out) is not np.ndarray
+        if raw:
             out = np.asarray(out)
         if device is None:
             device = CPU
@@ -334,6 +336,8 @@ class Op:
         result._grad = result._accumulator = result._hooks = None
         result._view = None
         result._counter = None  # the node's output_counter once made (counter_of)
+        if recorder.active:  # pargrad.capture records this thread or another
+            _note(self, args, params, (result,), raw)
         return result
 
     # Every unusual operand's case in one place (views, devices, several outputs).
@@ -370,10 +374,25 @@ class Op:
             # Output 0's counter is the node's output_counter, made on first use.
             node.saved_versions += saved_versions(tensors, range(1, len(tensors)),
                                                   outputs=True)
+        if recorder.active:  # pargrad.capture records this thread or another
+            _note(self, operands, params, tensors, not self.multi_output and (
+                type(out) is not np.ndarray))
         return tensors
 
 
 _new = object.__new__
+
+
+def _note(op: Op, args: tuple[Any, ...], params: dict[str, Any], tensors: tuple[Tensor, ...],
+          raw: bool) -> None:
+    """Tell the calling thread's recording (pargrad.capture) of an op call; a call on a
+    thread that does not record made tensors a recording cannot replay."""
+    found = recorder.current()
+    if found is not None:
+        found.note_op(op, args, params, tensors, raw)
+    else:
+        for t in tensors:
+            recorder.note_made(t)
 
 NO_PARAMS: dict[str, Any] = {}
 """The parameters of an op called without any: one shared dict, never written."""
@@ -860,7 +879,10 @@ def _plain(value: Any) -> Any:
 def constant(ufunc: Callable[..., Any], *args: Any) -> Tensor:
     """Apply a numpy function to the arrays of ``args``; the result needs no gradient."""
     on = common_device(args, getattr(ufunc, "__name__", "constant"))
-    return Tensor._make(np.asarray(ufunc(*(array_of(a) for a in args))), device=on)
+    out = Tensor._make(np.asarray(ufunc(*(array_of(a) for a in args))), device=on)
+    if recorder.active and (found := recorder.current()) is not None:
+        found.note_call(ufunc, args, out)  # replayed: the values depend on the operands'
+    return out
 
 
 def dispatch_ufunc(

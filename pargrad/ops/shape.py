@@ -5,6 +5,7 @@ with ``np.add.at`` so that repeated indices accumulate.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,6 +13,7 @@ import numpy as np
 
 from pargrad.numpy_names import numpy_names
 from pargrad.ops.core import array_of, defop, implements, ndim_of, normalize_axis
+from pargrad.replay import recorder
 from pargrad.shapes import sum_to
 from pargrad.tensor import Tensor
 
@@ -166,10 +168,15 @@ _getitem = defop("getitem", lambda x, *, index: x[index],
                  needs_values=False, view=True)
 
 
+def _nonzero_part(j: int, mask: Any) -> np.ndarray:
+    return np.nonzero(np.asarray(mask))[j]
+
+
 def _normalize_index(index: Any) -> tuple[Any, ...]:
     items = index if isinstance(index, tuple) else (index,)
     out: list[Any] = []
     for item in items:
+        source = item
         if isinstance(item, Tensor):
             item = item.data
         elif isinstance(item, list):
@@ -177,9 +184,16 @@ def _normalize_index(index: Any) -> tuple[Any, ...]:
             if item.size == 0:
                 item = item.astype(np.intp)  # [] selects nothing, as in numpy
         if isinstance(item, np.ndarray) and item.dtype == bool and item.ndim > 0:
-            out.extend(np.nonzero(item))  # add.at needs integer indices
+            found = np.nonzero(item)  # add.at needs integer indices
+            out.extend(found)
+            if recorder.active:  # pargrad.capture: a replay finds its own index's
+                for j, part in enumerate(found):
+                    recorder.derived(functools.partial(_nonzero_part, j), (source,), part)
         elif isinstance(item, np.ndarray):
-            out.append(item.copy())  # the node keeps it: a later change must not reach it
+            copy = item.copy()  # the node keeps it: a later change must not reach it
+            out.append(copy)
+            if recorder.active:  # pargrad.capture: a replay copies its own index
+                recorder.derived(np.array, (source,), copy)
         else:
             out.append(item)
     return tuple(out)

@@ -1,0 +1,336 @@
+"""``pargrad.capture(fn)``: a step that records once and replays (docs/capture.md).
+
+A ``Captured`` keeps a small cache of *variants*: one recorded ``Program`` per guard key.
+The key holds what the recording depends on and a call can change: the structure of the
+arguments, each tensor argument's shape, dtype, device and requires_grad (and which
+arguments are the same tensor), each numpy argument's shape and dtype, the value of
+every other argument (identity for unhashable ones), and grad mode. The outside tensors
+a recording reached are checked by its program on each replay (shape, dtype, device,
+requires_grad); one that changed records the variant again.
+
+Thread-safety: ``_lock`` guards the cache and ``stats``; a recording and replays run
+outside it, so several threads may call one step at once (two that miss together both
+record; the later recording is kept).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, ParamSpec, TypeVar
+
+import numpy as np
+
+from pargrad import anomaly, grad_mode
+from pargrad.graph import next_sequence_nr
+from pargrad.replay import recorder
+from pargrad.replay.program import Program, Unreplayable
+from pargrad.tensor import Tensor
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+MAX_VARIANTS = 8
+"""Variants a step keeps (as ``torch.compile``'s cache size limit); a step that needs
+more runs eagerly from then on, with a warning."""
+
+
+class CaptureWarning(UserWarning):
+    """A captured function runs eagerly from now on (the message says why and where)."""
+
+
+@dataclass
+class CaptureStats:
+    """What a captured step did so far (``step.stats``)."""
+
+    calls: int = 0
+    """Calls of the step."""
+    replays: int = 0
+    """Calls answered by replaying a recording."""
+    records: int = 0
+    """Calls that ran ``fn`` eagerly and recorded it (a first call, or a guard that failed)."""
+    eager: int = 0
+    """Calls that ran ``fn`` eagerly without recording (after a fallback, under anomaly
+    mode, past ``MAX_VARIANTS``)."""
+    reasons: list[str] = field(default_factory=list)
+    """Why each recording happened, in order (``"first call"``, ``"argument 0: shape (32,
+    64) -> (16, 64)"``, ...)."""
+    fallback: str | None = None
+    """Why the step runs eagerly for good (and the line that caused it), or None."""
+
+    @property
+    def variants(self) -> int:
+        """Recordings made (kept or replaced)."""
+        return self.records
+
+
+class _Variant:
+    __slots__ = ("key", "pinned", "program", "result")
+
+    def __init__(self, key: tuple[Any, ...], program: Program, result: Any,
+                 pinned: list[Any]) -> None:
+        self.key = key
+        self.program = program
+        self.result = result  # how to build fn's return value from the returned tensors
+        self.pinned = pinned  # arguments guarded by identity: kept alive, so ids stay theirs
+
+
+class Captured(Generic[P, R]):
+    """``fn`` recorded on its first call and replayed after (``pargrad.capture``)."""
+
+    def __init__(self, fn: Callable[P, R]) -> None:
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.stats = CaptureStats()
+        self._lock = threading.Lock()  # guards _variants, _eager_reason and stats
+        self._variants: dict[tuple[Any, ...], _Variant] = {}
+
+    def __repr__(self) -> str:
+        return f"<pargrad.capture of {getattr(self.fn, '__qualname__', self.fn)!r}>"
+
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        # As a decorator on a method: the bound method, captured per call with its self
+        # as an argument (guarded by identity).
+        if instance is None:
+            return self
+        return functools.partial(self.__call__, instance)
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        with self._lock:
+            self.stats.calls += 1
+            eager = self.stats.fallback is not None or (anomaly.on and anomaly.mode.enabled)
+            if eager:
+                self.stats.eager += 1
+        if eager:
+            return self.fn(*args, **kwargs)
+        tensors: list[Tensor] = []
+        arrays: list[np.ndarray] = []
+        pinned: list[Any] = []
+        key = (_flatten((args, kwargs), tensors, arrays, pinned),
+               grad_mode.is_grad_enabled())
+        with self._lock:
+            variant = self._variants.get(key)
+        if variant is not None:
+            why = variant.program.check_externals()
+            if why is None:
+                out = variant.program.run(tensors, arrays)
+                with self._lock:
+                    self.stats.replays += 1
+                return _build(variant.result, out)
+        else:
+            with self._lock:
+                known = list(self._variants)
+            why = "first call" if not known else _difference(known, key)
+        return self._record(args, kwargs, key, tensors, arrays, pinned, why)
+
+    def _record(self, args: Any, kwargs: Any, key: tuple[Any, ...], tensors: list[Tensor],
+                arrays: list[np.ndarray], pinned: list[Any], why: str) -> R:
+        with self._lock:
+            full = len(self._variants) >= MAX_VARIANTS and key not in self._variants
+            if full:
+                self.stats.eager += 1
+        if full:
+            self._fall_back(f"more than {MAX_VARIANTS} variants were recorded "
+                            f"(the latest: {why})", None)
+            return self.fn(*args, **kwargs)
+        rec = recorder.Recorder(tensors, arrays, next_sequence_nr())
+        recorder.start(rec)
+        try:
+            result = self.fn(*args, **kwargs)
+            returned: list[Tensor] = []
+            spec = _result_spec(result, returned, rec)
+        finally:
+            recorder.stop(rec)
+        with self._lock:
+            self.stats.records += 1
+            self.stats.reasons.append(why)
+        if rec.failure is None and _share_memory(returned):
+            rec.fail("the function returns two tensors that share memory")
+        if rec.failure is not None:
+            self._fall_back(rec.failure, rec.where)
+            return result
+        try:
+            program = Program(rec, returned, self._fall_back)
+        except Unreplayable as exc:
+            self._fall_back(str(exc), None)
+            return result
+        with self._lock:
+            self._variants[key] = _Variant(key, program, spec, pinned)
+        return result
+
+    def _fall_back(self, reason: str, where: str | None) -> None:
+        """Run ``fn`` eagerly from now on, saying why once."""
+        with self._lock:
+            if self.stats.fallback is not None:
+                return
+            self.stats.fallback = reason if where is None else f"{reason} (at {where})"
+            self._variants.clear()
+        message = (f"pargrad.capture: {getattr(self.fn, '__qualname__', self.fn)} runs "
+                   f"eagerly from now on: {reason}")
+        if where is not None:
+            filename, _, line = where.rpartition(":")
+            warnings.warn_explicit(message, CaptureWarning, filename, int(line))
+        else:
+            warnings.warn(message, CaptureWarning, stacklevel=4)
+
+
+def capture(fn: Callable[P, R]) -> Captured[P, R]:
+    """Record ``fn`` on its first call and replay it on later calls (docs/capture.md).
+
+    The returned callable takes ``fn``'s arguments and returns what ``fn`` returns: the
+    first call runs ``fn`` eagerly and records the ops it ran; a later call whose
+    arguments (shapes, dtypes, devices, requires_grad, other values) and outside tensors
+    fit a recording replays it, as straight-line kernel calls, and the tensors it
+    returns backpropagate through the recorded backward. Answers are bit for bit those
+    of calling ``fn``. Whatever a replay could get wrong (a value read back into Python,
+    a hook registered or an in-place change inside ``fn``) makes the step run ``fn``
+    eagerly from then on, with one ``CaptureWarning`` naming the line. ``step.stats``
+    counts replays and recordings and says why each recording happened.
+
+    >>> import pargrad
+    >>> w = pargrad.tensor([1.0, 2.0], requires_grad=True)
+    >>> step = pargrad.capture(lambda x: (pargrad.tanh(w * x)).sum())
+    >>> for _ in range(3):
+    ...     step(pargrad.tensor([0.5, 0.25])).backward()
+    >>> step.stats.replays, step.stats.records
+    (2, 1)
+    >>> w.grad
+    tensor([1.17...
+    """
+    return Captured(fn)
+
+
+# ----- arguments -----
+
+_SCALARS = (int, float, complex, bool, str, bytes, type(None), np.generic, np.dtype)
+_SCALARS_TYPES = frozenset({int, float, complex, bool, str, bytes, type(None)})
+
+
+def _flatten(value: Any, tensors: list[Tensor], arrays: list[np.ndarray],
+             pinned: list[Any]) -> Any:
+    """The guard key of ``value`` (an argument), collecting its tensors and arrays."""
+    if isinstance(value, Tensor):
+        same = next((i for i, t in enumerate(tensors) if t is value), -1)
+        tensors.append(value)
+        data = value.data
+        return ("tensor", data.shape, data.dtype, value._device, value._requires_grad, same)
+    if isinstance(value, np.ndarray):
+        same = next((i for i, a in enumerate(arrays) if a is value), -1)
+        arrays.append(value)
+        return ("array", value.shape, value.dtype, same)
+    if isinstance(value, (tuple, list)):
+        return (type(value), tuple(_flatten(v, tensors, arrays, pinned) for v in value))
+    if isinstance(value, dict):
+        return (dict, tuple((k, _flatten(v, tensors, arrays, pinned)) for k, v in value.items()))
+    if isinstance(value, _SCALARS):
+        return (type(value), value)
+    pinned.append(value)
+    return ("object", id(value))
+
+
+def _difference(known: list[tuple[Any, ...]], new: tuple[Any, ...]) -> str:
+    """Why ``new`` missed the cache, said against the nearest of the ``known`` keys."""
+    old = min(known, key=lambda k: _count_differences(k, new))
+    if old[1] != new[1]:
+        return f"grad mode: {'enabled' if new[1] else 'disabled'}"
+    (_, (old_args, old_kwargs)), (_, (new_args, new_kwargs)) = old[0], new[0]
+    if len(old_args[1]) == len(new_args[1]):
+        for i, (a, b) in enumerate(zip(old_args[1], new_args[1])):
+            found = _first_difference(a, b, f"argument {i}")
+            if found is not None:
+                return found
+    if [k for k, _ in old_kwargs[1]] == [k for k, _ in new_kwargs[1]]:
+        for (name, a), (_, b) in zip(old_kwargs[1], new_kwargs[1]):
+            found = _first_difference(a, b, f"argument {name}")
+            if found is not None:
+                return found
+    return _first_difference(old[0], new[0], "arguments") or "new arguments"
+
+
+def _count_differences(old: Any, new: Any) -> int:
+    if old == new:
+        return 0
+    if isinstance(old, tuple) and isinstance(new, tuple) and len(old) == len(new):
+        return sum(_count_differences(a, b) for a, b in zip(old, new))
+    return 1
+
+
+def _first_difference(old: Any, new: Any, where: str) -> str | None:
+    if old == new:
+        return None
+    if isinstance(old, tuple) and isinstance(new, tuple) and old and new and (
+            old[0] == new[0] and old[0] in ("tensor", "array")):
+        names = ("shape", "dtype", "device", "requires_grad", "same tensor as")
+        for name, a, b in zip(names, old[1:], new[1:]):
+            if a != b:
+                return f"{where}: {name} {a} -> {b}"
+    if (isinstance(old, tuple) and isinstance(new, tuple) and len(old) == len(new) == 2
+            and old[0] is new[0] and old[0] in _SCALARS_TYPES):
+        return f"{where}: {old[1]!r} -> {new[1]!r}"
+    if (isinstance(old, tuple) and isinstance(new, tuple) and len(old) == len(new) == 2
+            and isinstance(old[1], tuple) and isinstance(new[1], tuple)
+            and len(old[1]) == len(new[1])):
+        for i, (a, b) in enumerate(zip(old[1], new[1])):
+            found = _first_difference(a, b, f"{where}[{i}]")
+            if found is not None:
+                return found
+    return f"{where}: {old!r} -> {new!r}"
+
+
+# ----- the return value -----
+
+def _share_memory(tensors: list[Tensor]) -> bool:
+    """Whether two of ``tensors`` share memory (arrays that do share a root base)."""
+    by_root: dict[int, list[np.ndarray]] = {}
+    for t in tensors:
+        array = t.data
+        root = array
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        by_root.setdefault(id(root), []).append(array)
+    return any(np.shares_memory(a, b) for arrays in by_root.values()
+               for i, a in enumerate(arrays) for b in arrays[i + 1:])
+
+
+def _result_spec(value: Any, returned: list[Tensor], rec: recorder.Recorder,
+                 seen: dict[int, int] | None = None) -> Any:
+    """How to rebuild ``value`` (what ``fn`` returned) around replayed tensors."""
+    seen = {} if seen is None else seen  # id(tensor) -> its index in returned
+    if isinstance(value, Tensor):
+        found = seen.get(id(value))
+        if found is not None:
+            return ("tensor", found)
+        if id(value) not in rec.slot:
+            rec.spec(value)  # an outside tensor returned as it is, or one made untraced
+        seen[id(value)] = len(returned)
+        returned.append(value)
+        return ("tensor", len(returned) - 1)
+    if isinstance(value, np.ndarray):
+        rec.fail("the function returns a numpy array (return tensors: a replay cannot "
+                 "tell where the array came from)")
+        return ("value", value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return ("namedtuple", type(value), [_result_spec(v, returned, rec, seen) for v in value])
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, type(value),
+                [_result_spec(v, returned, rec, seen) for v in value])
+    if isinstance(value, dict):
+        return ("dict", type(value),
+                [(k, _result_spec(v, returned, rec, seen)) for k, v in value.items()])
+    return ("value", value)
+
+
+def _build(spec: Any, out: list[Tensor]) -> Any:
+    kind = spec[0]
+    if kind == "tensor":
+        return out[spec[1]]
+    if kind == "value":
+        return spec[1]
+    if kind == "namedtuple":
+        return spec[1](*[_build(s, out) for s in spec[2]])
+    if kind == "dict":
+        return spec[1]((k, _build(s, out)) for k, s in spec[2])
+    return spec[1](_build(s, out) for s in spec[2])
