@@ -15,13 +15,17 @@ import numpy as np
 
 from pargrad.devices import CPU
 from pargrad.devices import device as as_device
+from pargrad.replay import recorder
 from pargrad.tensor import Tensor
 
 
 def _leaf(array: np.ndarray, requires_grad: bool, device: Any) -> Tensor:
     """A new leaf around ``array`` (made here, so not copied again)."""
     leaf = Tensor._make(array, device=CPU if device is None else as_device(device))
-    return leaf.requires_grad_(requires_grad)
+    leaf.requires_grad_(requires_grad)
+    if recorder.active and (found := recorder.current()) is not None:
+        found.note_constant(leaf, array)  # pargrad.capture: a constant of the recording
+    return leaf
 
 
 def zeros(shape: Any, dtype: Any = np.float64, *, requires_grad: bool = False,

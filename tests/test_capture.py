@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import pargrad
 from pargrad import nn
+from pargrad.replay import program
 from pargrad.replay.backward import CapturedBackward
 from tests.conftest import CANONICAL
 from tests.strategies import StepRecipe, step_recipes
@@ -58,12 +59,22 @@ def _call_and_backward(fn: Callable[..., Any], recipe: StepRecipe, args: tuple[A
 
 @settings(max_examples=60, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(recipe=step_recipes(), seed=st.integers(0, 2**31 - 1))
+@given(recipe=step_recipes(), seed=st.integers(0, 2**31 - 1),
+       segment_cost=st.sampled_from([1, 40, program.SEGMENT_COST]))
 def test_replays_give_the_eager_answers(engine: pargrad.Engine, request: pytest.FixtureRequest,
-                                        recipe: StepRecipe, seed: int) -> None:
+                                        recipe: StepRecipe, seed: int,
+                                        segment_cost: int) -> None:
     """Random steps, replayed four times with new arguments, weights changed in place
     between steps (as an optimizer does) and fresh random draws: values and every
-    ``.grad`` equal the eager step's on the same engine."""
+    ``.grad`` equal the eager step's on the same engine; also with the backward cut into
+    a segment per node, or per few nodes."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(program, "SEGMENT_COST", segment_cost)
+        _replays_equal_eager(request, recipe, seed)
+
+
+def _replays_equal_eager(request: pytest.FixtureRequest, recipe: StepRecipe,
+                         seed: int) -> None:
     weights = [pargrad.tensor(a, requires_grad=flag)
                for a, (_, flag) in zip(recipe.weight_arrays(seed), recipe.weights)]
 
@@ -537,3 +548,46 @@ def test_python_values_inside_the_function_are_constants_of_the_recording() -> N
     guarded = pargrad.capture(lambda x, scale: (x * scale).sum())
     assert guarded(pargrad.tensor([1.0]), 2.0).item() == 2.0
     assert guarded(pargrad.tensor([1.0]), 5.0).item() == 5.0
+
+
+_W = np.linspace(-1.0, 1.0, 6).reshape(2, 3)
+PATTERNS: dict[str, Callable[[Any, Any], Any]] = {
+    # each: fn(x, w) of patterns models use; none may fall back
+    "zeros": lambda x, w: (x @ w + pargrad.zeros(3)).sum(),
+    "ones_like": lambda x, w: (x @ w * pargrad.ones_like(x @ w)).sum(),
+    "full": lambda x, w: (x @ w + pargrad.full((3,), 2.0)).sum(),
+    "arange": lambda x, w: (x @ w * pargrad.arange(3)).sum(),
+    "eye": lambda x, w: (x @ w @ pargrad.eye(3)).sum(),
+    "from_numpy": lambda x, w: (x @ w + pargrad.from_numpy(np.ones(3))).sum(),
+    "tensor": lambda x, w: (x @ w * pargrad.tensor([0.5, 1.5, -1.0])).sum(),
+    "mse_loss": lambda x, w: pargrad.mse_loss(x @ w, pargrad.ones((4, 3))),
+    "bce": lambda x, w: pargrad.binary_cross_entropy_with_logits(x @ w, pargrad.ones((4, 3))),
+    "layer_norm": lambda x, w: nn.functional.layer_norm(x @ w, (3,)).sum(),
+    "numpy_ufunc": lambda x, w: np.cos(x @ w).sum(),
+    "column": lambda x, w: pargrad.softmax(x @ w, axis=1)[:, 1].sum(),
+    "astype": lambda x, w: (x @ w).astype(np.float32).sum(),
+    "std": lambda x, w: pargrad.std(x @ w),
+    "where_scalar": lambda x, w: pargrad.where(x @ w > 0, x @ w, 0.0).sum(),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PATTERNS))
+def test_common_patterns_replay(case: str) -> None:
+    fn = PATTERNS[case]
+    w = pargrad.tensor(_W, requires_grad=True)
+    step = pargrad.capture(lambda x: fn(x, w))
+    rng = np.random.default_rng(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(4):
+            x = pargrad.tensor(rng.standard_normal((4, 2)))
+            w.grad = None
+            expected = fn(x, w)
+            expected.backward()
+            grad = w.grad.numpy().copy()  # type: ignore[union-attr]
+            w.grad = None
+            got = step(x)
+            got.backward()
+            _same(got.numpy(), expected.numpy(), bitwise=True)
+            _same(w.grad.numpy(), grad, bitwise=True)  # type: ignore[union-attr]
+    assert step.stats.replays == 3 and step.stats.fallback is None

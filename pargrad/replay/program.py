@@ -8,10 +8,13 @@ the same bits), random draws draw again, numpy functions of the operands run aga
 constants are the recording's. First interpreted; after ``source.COMPILE_AFTER``
 replays, one generated function (pargrad/replay/source.py).
 
-**Segments.** The backward is one segment unless the step returns a tensor that its own
-later ops read: there it is cut, so that the engine completes that tensor's gradient
-(its hooks, its ``retain_grad`` and ``grad(inputs=...)`` see the whole of it) before
-the older segment runs.
+**Segments.** The recorded nodes, in sequence order, are cut into runs, each a segment:
+where the step returns a tensor that its own later ops read (so that the engine
+completes that tensor's gradient, which its hooks, its ``retain_grad`` and
+``grad(inputs=...)`` see, before the older segment runs), and where a run's nodes reach
+``SEGMENT_COST`` elements (so that a ``ThreadedEngine`` runs independent segments of
+large arrays at once). Runs of consecutive sequence numbers keep every sum in the
+canonical order (pargrad/replay/backward.py).
 """
 
 from __future__ import annotations
@@ -29,6 +32,12 @@ from pargrad.replay.backward import CapturedBackward, NodePlan, Segment
 from pargrad.replay.recorder import Instr, Recorder
 from pargrad.replay.source import Namespace, resolve
 from pargrad.tensor import Tensor
+
+SEGMENT_COST = 1 << 18
+"""The array elements a segment's nodes read and write (``Node.cost``, summed) from which
+a new segment starts: a step of large arrays becomes several nodes in the engine's graph,
+whose independent ones a ``ThreadedEngine`` runs at once, as it runs the eager nodes; a
+step of small ones stays one node, its Python overhead paid once."""
 
 
 class Unreplayable(Exception):
@@ -98,7 +107,7 @@ class Program:
         # The outside tensors with their guards: what a replay checks, reads and sends
         # gradients to.
         self.externals: list[Any] = []
-        self.ext_guard: list[tuple[Any, ...]] = []
+        self.ext_guard: list[tuple[Any, ...]] = rec.guards  # as they were when recorded
         self.inputs: list[tuple[str, Any]] = []  # per input slot: ("arg"|"array"|"ext", i)
         self.ext_of_slot: dict[int, int] = {}
         for (kind, what), slot in zip(rec.inputs, rec.input_slots):
@@ -106,11 +115,9 @@ class Program:
                 self.ext_of_slot[slot] = len(self.externals)
                 self.inputs.append(("ext", len(self.externals)))
                 self.externals.append(what)
-                self.ext_guard.append(_guard_of(what))
             else:
                 self.inputs.append((kind, what))
         self.steps = [self._step(instr, rec) for instr in rec.instrs]
-        self.instrs = rec.instrs
         kept: dict[int, int] = {}  # slot -> its index in what a forward keeps
 
         def keep(slot: int) -> int:
@@ -125,6 +132,8 @@ class Program:
         self.kept_index = {slot: n for n, slot in enumerate(self.kept_slots)}
         self.forward: Callable[..., tuple[Any, ...]] = self.interpret
         self.replays = 0
+        for instr in rec.instrs:  # the recording's saved values are not needed any more
+            instr.saved = (None, None, ())
 
     def _step(self, instr: Instr, rec: Recorder) -> _Step:
         if instr.kind == "op":
@@ -311,12 +320,15 @@ class _Analysis:
         ``(segment, output)``."""
         n = len(self.instrs)
         segment_of = [0] * n
-        s = 0
+        s = cost = 0
         for k in reversed(range(n)):  # oldest first
             segment_of[k] = s
-            if any(key in self.returned_keys and key in self.consumers
-                   for key in ((k, m) for m in range(len(self.instrs[k].outs)))):
+            cost += self.instrs[k].node.cost
+            if cost >= SEGMENT_COST or any(
+                    key in self.returned_keys and key in self.consumers
+                    for key in ((k, m) for m in range(len(self.instrs[k].outs)))):
                 s += 1
+                cost = 0
         count = (max(segment_of) + 1) if n else 0
         outputs: list[list[tuple[int, int]]] = [[] for _ in range(count)]
         for k in reversed(range(n)):
@@ -385,14 +397,14 @@ class _Analysis:
             node, op = instr.node, instr.fn
             name = node.name()
             gin = tuple(variables.get((k, m)) for m in range(len(instr.outs)))
-            args = tuple(saved(a, name) for a in (node.saved_arrays or ()))
-            ans_value = node.saved_ans
+            saved_arrays, ans_value, _ = instr.saved
+            args = tuple(saved(a, name) for a in (saved_arrays or ()))
             ans: Any = None if ans_value is None else [
                 saved(a, name, True) for a in ans_value] if op.multi_output else saved(
                 ans_value, name, True)
             pspec = None if instr.pspec is None else {
                 key: slots_to_positions(spec, name) for key, spec in instr.pspec.items()}
-            found = self._checks(node, op, counter_input)
+            found = self._checks(instr, counter_input)
             check_index = None
             if found is not None:
                 check_index = len(checks)
@@ -416,20 +428,27 @@ class _Analysis:
                        output_meta, saved_slots, checks, device)
 
 
-    def _checks(self, node: Any, op: Any, counter_input: dict[int, tuple[str, int]]
+    def _checks(self, instr: Instr, counter_input: dict[int, tuple[str, int]]
                 ) -> tuple[list[Any], list[Any]] | None:
-        """What a replay checks before running ``node``: the versions of the arguments
-        and outside tensors it saved (``(where, kind, index)``) and of the returned
-        tensors whose memory it saved (``(where, returned index)``); None: nothing."""
+        """What a replay checks before running ``instr``'s node: the versions of the
+        arguments and outside tensors it saved (``(where, kind, index)``) and of the
+        returned tensors whose memory it saved (``(where, returned index)``); None:
+        nothing."""
+        versions = instr.saved[2]
         inputs_checked = [(r.where, *counter_input[id(r.counter)])
-                          for r in node.saved_versions if id(r.counter) in counter_input]
+                          for r in versions if id(r.counter) in counter_input]
         returned_checked = []
-        for r in dict.fromkeys(r for _, value in _saved_items(node, op)
-                               if isinstance(value, np.ndarray)
-                               for r in self.returned_on.get(id(_root(value)), ())):
+        items = _saved_items(instr)
+        candidates: dict[int, None] = {}
+        for _, value in items:
+            if type(value) is np.ndarray:
+                for r in self.returned_on.get(id(value if value.base is None else _root(value)),
+                                              ()):
+                    candidates[r] = None
+        for r in candidates:
             array = self.returned[r].data
-            for where, value in _saved_items(node, op):
-                if isinstance(value, np.ndarray) and np.shares_memory(value, array):
+            for where, value in items:
+                if type(value) is np.ndarray and np.shares_memory(value, array):
                     returned_checked.append((where, r))
                     break
         return (inputs_checked, returned_checked) if inputs_checked or returned_checked else (
@@ -444,10 +463,11 @@ def _root(array: np.ndarray) -> Any:
     return array
 
 
-def _saved_items(node: Any, op: Any) -> list[tuple[int, Any]]:
-    items: list[tuple[int, Any]] = list(enumerate(node.saved_arrays or ()))
-    ans = node.saved_ans
+def _saved_items(instr: Instr) -> list[tuple[int, Any]]:
+    """What ``instr``'s node saved: ``(where, value)``, ``where`` as ``SavedVersion``'s."""
+    saved_arrays, ans, _ = instr.saved
+    items: list[tuple[int, Any]] = list(enumerate(saved_arrays or ()))
     if ans is not None:
-        for m, a in enumerate(ans if op.multi_output else (ans,)):
+        for m, a in enumerate(ans if instr.fn.multi_output else (ans,)):
             items.append((-1 - m, a))
     return items

@@ -9,8 +9,8 @@ pays one check of a module global):
 - ``pargrad.ops.core.constant``: a numpy function whose result carries no gradient
   (comparisons: ``x > 0``), ``Tensor.detach``, random draws (``note_call``,
   ``note_detach``, ``note_random``): they run again on each replay;
-- ``Tensor(data)`` made from Python or numpy values: a constant of the recording
-  (``note_constant``);
+- ``Tensor(data)`` and the creation functions (``zeros``...), made from Python or numpy
+  values: a constant of the recording (``note_constant``);
 - ``Tensor._make`` on any thread (``note_made``): a tensor that none of the above
   claims, used later or returned, was made by a path the recording cannot replay.
 
@@ -70,7 +70,7 @@ class Instr:
     """One recorded call: ``kind`` is ``"op"``, ``"call"`` (a numpy function of
     ``operands``), ``"random"`` (``fn()`` draws fresh values) or ``"detach"``."""
 
-    __slots__ = ("fn", "kind", "node", "operands", "outs", "params", "pspec", "raw")
+    __slots__ = ("fn", "kind", "node", "operands", "outs", "params", "pspec", "raw", "saved")
 
     def __init__(self, kind: str, fn: Any, operands: tuple[Spec, ...], params: dict[str, Any],
                  outs: tuple[int, ...], node: Any = None, raw: bool = False,
@@ -85,6 +85,10 @@ class Instr:
         # The parameters that hold values of the recording (an index array made from a
         # tensor), as operand specs in nested tuples (None: every one is a constant).
         self.pspec = pspec
+        # What the node had saved when the recording ended: ``(saved_arrays, saved_ans,
+        # saved_versions)`` (a backward frees them from the node; the program is made
+        # from this snapshot, on the first replay).
+        self.saved: tuple[Any, Any, Any] = (None, None, ())
 
 
 class Recorder:
@@ -112,6 +116,7 @@ class Recorder:
         self.made: set[int] = set()  # ids of tensors made while recording (any thread)
         self.failure: str | None = None
         self.where: str | None = None
+        self.guards: list[tuple[Any, ...]] = []  # the outside tensors', made by finish
         for i, t in enumerate(arg_tensors):
             if id(t) not in self.slot:
                 n = self.slot[id(t)] = self._input(("arg", i), t.data)
@@ -145,21 +150,12 @@ class Recorder:
 
     def spec(self, value: Any) -> Spec:
         """How a recorded call's operand is found on replay."""
+        cls = type(value)
+        if cls is float or cls is int:  # the most common constants
+            return ("value", value)
         if isinstance(value, _tensor[0]):
             n = self.slot.get(id(value))
-            if n is not None:
-                return ("slot", n)
-            if id(value) in self.made:
-                self.fail("a tensor made inside the function by a call that capture cannot "
-                          "replay (a custom Function, or another thread's op) is used")
-            elif value.requires_grad and value.grad_fn is not None and (
-                    value.grad_fn.sequence_nr >= self.start_nr):
-                self.fail("a tensor whose graph was made while recording, outside this "
-                          "thread's recorded ops, is used")
-            n = self.slot[id(value)] = self._input(("ext", value), value.data)
-            self.tensor[id(value)] = value
-            self.input_tensor[n] = value
-            return ("slot", n)
+            return ("slot", n if n is not None else self._outside(value))
         if isinstance(value, np.ndarray):
             n = self.array_slot.get(id(value))
             if n is not None:  # a tensor's array itself (``x * h.data``): its slot
@@ -168,12 +164,24 @@ class Recorder:
                    for v in self.values):
                 self.fail("a numpy view of a tensor's array (made from tensor.data) is used "
                           "as a constant")
-            return ("value", value)
-        if isinstance(value, (list, tuple)):
-            if any(isinstance(v, _tensor[0]) for v in value):
-                self.fail("a list of tensors is an operand")
-            return ("value", value)
+        elif isinstance(value, (list, tuple)) and any(isinstance(v, _tensor[0]) for v in value):
+            self.fail("a list of tensors is an operand")
         return ("value", value)
+
+    def _outside(self, tensor: Any) -> int:
+        """The slot of a tensor the recording meets for the first time: an outside tensor,
+        unless it was made while recording by something that did not tell the recording."""
+        if id(tensor) in self.made:
+            self.fail("a tensor made inside the function by a call that capture cannot "
+                      "replay (a custom Function, or another thread's op) is used")
+        elif tensor.requires_grad and tensor.grad_fn is not None and (
+                tensor.grad_fn.sequence_nr >= self.start_nr):
+            self.fail("a tensor whose graph was made while recording, outside this "
+                      "thread's recorded ops, is used")
+        n = self.slot[id(tensor)] = self._input(("ext", tensor), tensor.data)
+        self.tensor[id(tensor)] = tensor
+        self.input_tensor[n] = tensor
+        return n
 
     def _outs(self, tensors: tuple[Any, ...]) -> tuple[int, ...]:
         outs = []
@@ -186,6 +194,20 @@ class Recorder:
 
     # ----- notes -----
 
+    def finish(self) -> None:
+        """The recording is over: keep what each node saved (the program is made from it
+        later), and let go of the tensors, which were held only to keep their ids."""
+        for instr in self.instrs:
+            node = instr.node
+            if node is not None:
+                instr.saved = (getattr(node, "saved_arrays", None),
+                               getattr(node, "saved_ans", None),
+                               getattr(node, "saved_versions", ()))
+        self.tensor = {}
+        # The outside tensors' guards as they were (checked by every replay).
+        self.guards = [(t.data.shape, t.data.dtype, t._device, t._requires_grad)
+                       for kind, t in self.inputs if kind == "ext"]
+
     def _pspec(self, value: Any) -> Any:
         if isinstance(value, np.ndarray):
             return self.spec(value)
@@ -195,10 +217,10 @@ class Recorder:
 
     def note_op(self, op: Any, args: tuple[Any, ...], params: dict[str, Any],
                 tensors: tuple[Any, ...], raw: bool) -> None:
-        operands = tuple(self.spec(a) for a in args)
+        operands = tuple([self.spec(a) for a in args])
         node = tensors[0].grad_fn if tensors else None
         pspec = None
-        if any(isinstance(v, (np.ndarray, tuple)) for v in params.values()):
+        if params and any(isinstance(v, (np.ndarray, tuple)) for v in params.values()):
             pspec = {k: self._pspec(v) for k, v in params.items()}
             if all(spec[0] == "value" or (spec[0] == "tuple" and not _has_slot(spec))
                    for spec in pspec.values()):

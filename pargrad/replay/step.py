@@ -68,12 +68,16 @@ class CaptureStats:
 
 
 class _Variant:
-    __slots__ = ("key", "pinned", "program", "result")
+    """One recording of a step. Its program is made on its first replay (a step called
+    once pays for recording only): until then ``pending`` holds the recording."""
 
-    def __init__(self, key: tuple[Any, ...], program: Program, result: Any,
-                 pinned: list[Any]) -> None:
+    __slots__ = ("key", "pending", "pinned", "program", "result")
+
+    def __init__(self, key: tuple[Any, ...], pending: tuple[recorder.Recorder, list[Tensor]],
+                 result: Any, pinned: list[Any]) -> None:
         self.key = key
-        self.program = program
+        self.program: Program | None = None
+        self.pending: tuple[recorder.Recorder, list[Tensor]] | None = pending
         self.result = result  # how to build fn's return value from the returned tensors
         self.pinned = pinned  # arguments guarded by identity: kept alive, so ids stay theirs
 
@@ -114,9 +118,12 @@ class Captured(Generic[P, R]):
         with self._lock:
             variant = self._variants.get(key)
         if variant is not None:
-            why = variant.program.check_externals()
+            program = variant.program or self._program(variant)
+            if program is None:  # it could not be made: this call runs eagerly
+                return self.fn(*args, **kwargs)
+            why = program.check_externals()
             if why is None:
-                out = variant.program.run(tensors, arrays)
+                out = program.run(tensors, arrays)
                 with self._lock:
                     self.stats.replays += 1
                 return _build(variant.result, out)
@@ -152,14 +159,26 @@ class Captured(Generic[P, R]):
         if rec.failure is not None:
             self._fall_back(rec.failure, rec.where)
             return result
+        rec.finish()
+        with self._lock:
+            self._variants[key] = _Variant(key, (rec, returned), spec, pinned)
+        return result
+
+    def _program(self, variant: _Variant) -> Program | None:
+        """The program of ``variant``, made now from its recording (None: it cannot be
+        replayed, and the step runs eagerly from now on)."""
+        pending = variant.pending
+        if pending is None:  # another thread made it meanwhile
+            return variant.program
         try:
-            program = Program(rec, returned, self._fall_back)
+            program = Program(*pending, self._fall_back)
         except Unreplayable as exc:
             self._fall_back(str(exc), None)
-            return result
-        with self._lock:
-            self._variants[key] = _Variant(key, program, spec, pinned)
-        return result
+            with self._lock:
+                self.stats.eager += 1
+            return None
+        variant.program, variant.pending = program, None
+        return program
 
     def _fall_back(self, reason: str, where: str | None) -> None:
         """Run ``fn`` eagerly from now on, saying why once."""
