@@ -29,6 +29,8 @@ from typing import Any
 from benchmarks import report
 from benchmarks.callers import NAME as CALLERS
 from benchmarks.callers import print_callers, run_callers
+from benchmarks.capture import NAME as CAPTURE
+from benchmarks.capture import capture_targets, print_capture, run_capture
 from benchmarks.compare import add_arguments, compare
 from benchmarks.data_parallel import NAME as DATA_PARALLEL
 from benchmarks.data_parallel import print_data_parallel, run_data_parallel
@@ -60,7 +62,7 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
                         help="run only these workloads: wide-matmul, wide-elementwise, "
                              "tiny-chain, fan-in, mlp-step, deep-elementwise, "
                              "softmax-xent, random-dag (every size), small-branches "
-                             "(both shapes), overlap, callers, data-parallel")
+                             "(both shapes), overlap, callers, capture, data-parallel")
     parser.add_argument("--workers", metavar="N,...", default="1,2,4",
                         help="the ThreadedEngine worker counts to compare (default 1,2,4)")
     parser.add_argument("--json", metavar="FILE", help="write every figure to FILE")
@@ -122,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     if selected(CALLERS, only):
         figures[CALLERS] = run_callers(mode, s.repeats)
         print_callers(figures[CALLERS])
+    if selected(CAPTURE, only):  # pargrad.capture against eager pargrad and PyTorch
+        figures[CAPTURE] = run_capture(mode)
+        print_capture(figures[CAPTURE])
     if selected(DATA_PARALLEL, only):  # under mpiexec, on 1 and 2 ranks
         figures[DATA_PARALLEL] = run_data_parallel(mode)
         print_data_parallel(figures[DATA_PARALLEL])
@@ -136,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
                                         figures.get("sweep"), figures.get(CALLERS),
                                         free_threaded=not facts["gil_enabled"],
                                         fused=bool(facts.get("fused_kernels")))
+    if CAPTURE in figures:
+        figures["targets"] += capture_targets(figures[CAPTURE])
     if figures["targets"]:
         report.print_targets(figures["targets"], mode)
     figures["seconds"] = time.perf_counter() - started

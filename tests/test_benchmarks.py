@@ -172,6 +172,32 @@ def test_only_selects_workloads(tmp_path: Path) -> None:
     assert "skipped torch: --no-peers" in stdout
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("block", [(), OPTIONAL], ids=["installed", "without-optional"])
+def test_capture_section_runs_and_reports_its_targets(tmp_path: Path,
+                                                      block: tuple[str, ...]) -> None:
+    figures, stdout = run_suite(tmp_path, "--only", "capture", block=block)
+    capture = figures["capture"]
+    chain, mlp, dag = capture["tiny-chain"], capture["mlp-step"], capture["random-dag"]
+    assert {"pargrad eager", "pargrad captured", "kernels"} <= set(chain["us_per_op"])
+    assert {"pargrad eager", "pargrad captured"} <= set(mlp["ms"])
+    has_torch = not block and importlib.util.find_spec("torch") is not None
+    assert any(name.startswith("torch(") for name in mlp["ms"]) == has_torch
+    assert dag["replays"] > 0 and set(dag["backward_ms"]) == {"reference eager",
+                                                               "default captured"}
+    for part in (chain, mlp, dag):
+        assert part["first_call_over_eager"] > 0 and part["first_replay_over_eager"] > 0
+    targets = {t["target"]: t for t in figures["targets"]}
+    first = targets["capture: first call (records) / eager call, worst workload"]
+    assert first["value"] == max(p["first_call_over_eager"] for p in (chain, mlp, dag))
+    assert (targets["capture tiny-chain: captured / fastest torch eager"]["value"] is None) == (
+        not has_torch)
+    assert "capture: tiny-chain" in stdout and "microseconds per op" in stdout
+    assert "targets (ratios of medians in this run)" in stdout
+    if any(t["holds"] is False for t in targets.values()):
+        assert "A FAILS not marked expected can hold here" in stdout
+
+
 def assert_explains_itself(stdout: str, figures: dict) -> None:
     """The legend is printed before the first table, and every FAILS is explained: marked
     **expected** with its reason and docs/performance.md, or followed by the note on
