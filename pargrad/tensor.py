@@ -191,6 +191,8 @@ class Tensor:
         A non-leaf tensor gets one only if ``retain_grad()`` was called on it; reading
         ``.grad`` of one that did not warns (as in PyTorch), since it stays None.
         """
+        if _recorder.active:
+            _recorder.fail("tensor.grad is read (it is a new tensor after each zero_grad)")
         if self._grad is None and self.grad_fn is not None and not self.retains_grad:
             warnings.warn(
                 "reading .grad of a non-leaf tensor (one made by an op, with a grad_fn): "
@@ -201,6 +203,8 @@ class Tensor:
 
     @grad.setter
     def grad(self, value: Tensor | None) -> None:
+        if _recorder.active:
+            _recorder.fail("tensor.grad is set (zero_grad) inside the function")
         if value is not None:
             if not isinstance(value, Tensor):
                 raise TypeError(f"grad must be a Tensor or None, got {type(value).__name__}")
@@ -224,6 +228,8 @@ class Tensor:
 
     def requires_grad_(self, requires_grad: bool = True) -> Tensor:
         """Set ``requires_grad`` in place on a leaf and return the tensor."""
+        if _recorder.active and bool(requires_grad) != self._requires_grad:
+            _recorder.fail("requires_grad_ changes a tensor inside the function")
         if not self.is_leaf:
             if bool(requires_grad) == self._requires_grad:
                 return self
@@ -252,6 +258,8 @@ class Tensor:
 
         Raises RuntimeError on a view (its history belongs to its base): use ``detach()``.
         """
+        if _recorder.active:
+            _recorder.fail("detach_ changes a tensor inside the function")
         if self._view is not None:
             raise RuntimeError("detach_: cannot detach a view of another tensor in place; "
                                "use .detach() to get a new leaf instead")
@@ -800,6 +808,8 @@ class Tensor:
 
     def tolist(self) -> Any:
         """The values as (nested) Python lists, as ``ndarray.tolist``."""
+        if _recorder.active:
+            _recorder.fail("tensor.tolist() reads values back into Python")
         return self.data.tolist()
 
     def clone(self) -> Tensor:
@@ -852,10 +862,14 @@ class Tensor:
 
     def all(self, axis: Any = None) -> Any:
         """Whether every element is true, as ``np.all`` (no gradient)."""
+        if _recorder.active:
+            _recorder.fail("tensor.all() reads values back into numpy")
         return np.all(self.data, axis=axis)
 
     def any(self, axis: Any = None) -> Any:
         """Whether any element is true, as ``np.any`` (no gradient)."""
+        if _recorder.active:
+            _recorder.fail("tensor.any() reads values back into numpy")
         return np.any(self.data, axis=axis)
 
     # torch's casts: differentiable, as astype (last in the class: ``float`` and ``half``

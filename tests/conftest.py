@@ -107,7 +107,7 @@ def _default_sigint_for_marked(request: pytest.FixtureRequest) -> Iterator[None]
 RACE_FILES = {"test_async.py", "test_concurrency.py", "test_threaded.py",
               "test_engine_lifecycle.py", "test_blas_gate.py", "test_reliability.py",
               "test_intra_op.py", "test_memory_budget.py", "test_optim.py", "test_undo.py",
-              "test_memory.py"}
+              "test_memory.py", "test_capture.py"}
 RACE_ROUNDS = 10
 RACE_SLOW = 1.0
 _race_round = pytest.StashKey[int]()

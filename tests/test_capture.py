@@ -277,7 +277,29 @@ FALLBACKS: dict[str, Callable[[Any, Any], Any]] = {
     "inplace_inside": lambda x, w: _inplace_inside(w, x),
     "backward_inside": lambda x, w: _backward_inside(w, x),
     "custom_function": lambda x, w: (_Double.apply(w * x)).sum(),
+    "argmax": lambda x, w: (w * x)[pargrad.argmax(x)] * 2.0,
+    "tolist": lambda x, w: (w * x).sum() * len([v for v in x.tolist() if v > 0]),
+    "any": lambda x, w: (w * x).sum() * (2.0 if (x > 1.0).any() else 1.0),
+    "np_nonzero": lambda x, w: (w * x)[np.nonzero(x > 0)[0]].sum(),
+    "zero_grad": lambda x, w: _reset(w, (w * x).sum()),
+    "grad_read": lambda x, w: (w * x).sum() + (0.0 if w.grad is None else 1.0),
+    "requires_grad_": lambda x, w: (w * x.requires_grad_()).sum(),
+    "numpy_slice_constant": lambda x, w: (w * pargrad.tensor(x.numpy()[::-1])).sum(),
+    "nested_readback": lambda x, w: _inner(x, w) * (2.0 if x.sum().item() > 0 else 1.0),
 }
+
+
+def _reset(w: Any, loss: Any) -> Any:
+    w.grad = None
+    return loss
+
+
+_INNER: dict[str, Any] = {}
+
+
+def _inner(x: Any, w: Any) -> Any:
+    step = _INNER.setdefault("step", pargrad.capture(lambda a, b: (a * b).sum()))
+    return step(x, w)
 
 
 class _Double(pargrad.Function):
@@ -463,9 +485,9 @@ def test_a_failing_rule_is_reported_under_its_node_name() -> None:
 
 def _failing(run: Callable[..., Any]) -> Callable[..., Any]:
     """``run`` with its saved arrays made to raise in any numpy call."""
-    def wrapped(grads: Any, saved: Any, versions: Any) -> Any:
+    def wrapped(grads: Any, saved: Any, *more: Any) -> Any:
         saved = tuple(_Exploding(s) if isinstance(s, np.ndarray) else s for s in saved)
-        return run(grads, saved, versions)
+        return run(grads, saved, *more)
     return wrapped
 
 
@@ -591,3 +613,258 @@ def test_common_patterns_replay(case: str) -> None:
             _same(got.numpy(), expected.numpy(), bitwise=True)
             _same(w.grad.numpy(), grad, bitwise=True)  # type: ignore[union-attr]
     assert step.stats.replays == 3 and step.stats.fallback is None
+
+
+# ----- eager against captured, call by call: values, .grad, errors -----
+
+Case = tuple[Callable[..., Any], Callable[[int], tuple[Any, ...]], list[Any],
+             Callable[[Any, int], Any] | None]
+
+
+def _tensors_in(value: Any) -> list[Any]:
+    if isinstance(value, pargrad.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors_in(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors_in(v)]
+    return []
+
+
+def _log(make: Callable[[], Case], captured: bool, calls: int = 5) -> list[Any]:
+    """What each call gives: its tensors' values and the leaves' gradients after
+    ``after`` (a backward, say), or the error it raised."""
+    fn, args_for, leaves, after = make()
+    step = pargrad.capture(fn) if captured else fn
+    log: list[Any] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pargrad.CaptureWarning)
+        for i in range(calls):
+            try:
+                out = step(*args_for(i))
+                extra = None if after is None else after(out, i)
+                log.append(([t.numpy().tobytes() for t in _tensors_in(out)],
+                            [None if t._grad is None else t._grad.numpy().tobytes()
+                             for t in leaves], repr(extra)))
+            except Exception as exc:  # compared with the eager call's
+                log.append(f"{type(exc).__name__}: {exc}")
+    return log
+
+
+def _mask_mean() -> Case:
+    w = pargrad.tensor([1.0, 2.0, 3.0, 4.0], requires_grad=True)
+    xs = [[1.0, -1.0, -1.0, -1.0], [1.0, 2.0, 3.0, -1.0]] * 3
+    return (lambda x: ((w * x)[x > 0] ** 2).mean(), lambda i: (pargrad.tensor(xs[i]),), [w],
+            lambda out, i: out.backward())
+
+
+def _enable_grad_inside() -> Case:
+    w = pargrad.tensor([1.0, 2.0], requires_grad=True)
+
+    def fn(x: Any) -> Any:
+        with pargrad.enable_grad():
+            return (w * x).sum()
+
+    def call(i: int) -> tuple[Any, ...]:
+        return (pargrad.tensor([1.0, float(i)]),)
+
+    def after(out: Any, i: int) -> Any:
+        out.backward()
+        return out.requires_grad
+
+    def under_no_grad(x: Any) -> Any:
+        with pargrad.no_grad():
+            return step_of[0](x)
+
+    step_of = [fn]
+    return fn, call, [w], after
+
+
+def _loss_changed_after_the_call() -> Case:
+    w = pargrad.tensor([1.0, 2.0], requires_grad=True)
+
+    def after(out: Any, i: int) -> Any:
+        out += (w * w).sum()  # the returned loss gets another history
+        out.backward()
+
+    return (lambda x: (pargrad.sin(w * x)).sum(), lambda i: (pargrad.tensor([1.0, i + 0.5]),),
+            [w], after)
+
+
+def _two_losses() -> Case:
+    w = pargrad.tensor([1.0, 2.0], requires_grad=True)
+    v = pargrad.tensor([0.5, -0.5], requires_grad=True)
+
+    def after(out: Any, i: int) -> Any:
+        out[0].backward()
+        out[1].backward()
+
+    return (lambda x: ((pargrad.tanh(w * x)).sum(), (pargrad.exp(v * x)).sum()),
+            lambda i: (pargrad.tensor([1.0, -i / 3]),), [w, v], after)
+
+
+def _signed_zero() -> Case:
+    w = pargrad.tensor([1.0, -2.0], requires_grad=True)
+    scales = [0.0, -0.0, 0.0, -0.0, 1.0]
+    return (lambda x, s: (w * x * s).sum(), lambda i: (pargrad.tensor([1.0, 2.0]), scales[i]),
+            [w], lambda out, i: out.backward())
+
+
+def _fortran_layout() -> Case:
+    w = pargrad.tensor(np.linspace(0.0, 1.0, 1 << 10), requires_grad=True)
+
+    def call(i: int) -> tuple[Any, ...]:
+        a = np.asfortranarray(np.linspace(-1.0, 1.0 + i, 1 << 20).reshape(1 << 10, 1 << 10))
+        return (pargrad.tensor(np.asfortranarray(a)).T,)
+
+    return (lambda x: (pargrad.exp(x * 0.5) * w).sum(axis=0).sum(), call, [w],
+            lambda out, i: out.backward())
+
+
+def _embedding_out_of_range() -> Case:
+    pargrad.random.seed(2)
+    table = nn.Embedding(4, 2)
+    rows = [[0, 1], [2, 3], [-1, 0], [3, 4], [1, 1]]
+    return (lambda idx: table(idx).sum(), lambda i: (pargrad.tensor(rows[i]),),
+            [table.weight], lambda out, i: out.backward())
+
+
+def _dropout_switched_to_eval() -> Case:
+    drop = nn.Dropout(0.5)
+    w = pargrad.tensor(np.linspace(0.5, 2.0, 8), requires_grad=True)
+
+    def call(i: int) -> tuple[Any, ...]:
+        drop.train(i % 2 == 0)
+        pargrad.random.seed(i)
+        return (pargrad.tensor(np.ones(8)),)
+
+    return lambda x: drop(w * x).sum(), call, [w], lambda out, i: out.backward()
+
+
+def _array_argument_is_the_tensor_argument_s() -> Case:
+    w = pargrad.tensor([1.0, 2.0], requires_grad=True)
+    x0 = pargrad.tensor([3.0, 4.0])
+
+    def call(i: int) -> tuple[Any, ...]:
+        x = x0 if i == 0 else pargrad.tensor([3.0, 4.0 + i])
+        return x, (x0.numpy() if i == 0 else np.array([-1.0, -2.0]))
+
+    return (lambda x, a: (w * x).sum() + (w * a).sum(), call, [w],
+            lambda out, i: out.backward())
+
+
+def _hook_raising_on_the_loss() -> Case:
+    w = pargrad.tensor([1.0, 2.0], requires_grad=True)
+
+    def after(out: Any, i: int) -> Any:
+        out.register_hook(lambda g: (_ for _ in ()).throw(ValueError("no")))
+        out.backward()
+
+    return (lambda x: (pargrad.sin(w * x)).sum(), lambda i: (pargrad.tensor([1.0, i]),), [w],
+            after)
+
+
+SAME_AS_EAGER: dict[str, Callable[[], Case]] = {
+    "a boolean mask made from values": _mask_mean,
+    "enable_grad inside the function": _enable_grad_inside,
+    "the returned loss changed in place after the call": _loss_changed_after_the_call,
+    "two losses of one step, each backwarded": _two_losses,
+    "0.0 and -0.0 arguments": _signed_zero,
+    "a Fortran-ordered operand on large arrays": _fortran_layout,
+    "embedding indices out of range": _embedding_out_of_range,
+    "a Dropout switched between train and eval": _dropout_switched_to_eval,
+    "an array argument that is a tensor argument's array": (
+        _array_argument_is_the_tensor_argument_s),
+    "a hook on the returned loss that raises": _hook_raising_on_the_loss,
+}
+
+
+@pytest.mark.parametrize("case", sorted(SAME_AS_EAGER))
+def test_call_by_call_as_eagerly(case: str, canonical_engine: pargrad.Engine) -> None:
+    """Cases a replay once got wrong, or that must fall back: every call gives what the
+    eager call gives (values, every .grad, or the same error)."""
+    make = SAME_AS_EAGER[case]
+    assert _log(make, captured=True) == _log(make, captured=False)
+
+
+def test_enable_grad_inside_a_step_called_under_no_grad() -> None:
+    w = pargrad.tensor([1.0, 2.0], requires_grad=True)
+
+    def fn(x: Any) -> Any:
+        with pargrad.enable_grad():
+            return (w * x).sum()
+
+    step = pargrad.capture(fn)
+    for i in range(4):
+        with pargrad.no_grad():
+            out = step(pargrad.tensor([1.0, float(i)]))
+        assert out.requires_grad
+        out.backward()
+    assert w.grad is not None
+    np.testing.assert_array_equal(w.grad.numpy(), [4.0, 6.0])
+    assert step.stats.replays == 3
+
+
+@pytest.mark.timeout(60)
+def test_threads_making_a_program_at_once() -> None:
+    """Two threads on the first replay of one recording: both get the eager answer and
+    the step keeps replaying."""
+    w = pargrad.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    for trial in range(10):
+        step = pargrad.capture(lambda x: (pargrad.exp(w * x)).sum())
+        step(pargrad.tensor([0.1, 0.2, 0.3]))
+        barrier = threading.Barrier(2)
+        results: list[float] = []
+
+        def first_replay(step: Any, barrier: threading.Barrier, results: list[float]) -> None:
+            barrier.wait()
+            results.append(step(pargrad.tensor([0.1, 0.2, 0.3])).item())
+
+        threads = [threading.Thread(target=first_replay, args=(step, barrier, results))
+                   for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        expected = (pargrad.exp(w * pargrad.tensor([0.1, 0.2, 0.3]))).sum().item()
+        assert results == [expected, expected], trial
+        assert step(pargrad.tensor([0.1, 0.2, 0.3])).item() == expected
+        assert step.stats.fallback is None and step.stats.replays == 3
+
+
+def test_returning_an_object_capture_does_not_look_inside_runs_eagerly() -> None:
+    class Holder:
+        def __init__(self, loss: Any) -> None:
+            self.loss = loss
+
+    w = pargrad.tensor([1.0, 2.0], requires_grad=True)
+    step = pargrad.capture(lambda x: Holder((w * x).sum()))
+    with pytest.warns(pargrad.CaptureWarning, match="returns a Holder"):
+        step(pargrad.tensor([1.0, 1.0]))
+    for k in range(3):
+        held = step(pargrad.tensor([1.0, float(k)]))
+        assert held.loss.item() == 1.0 + 2.0 * k
+    assert step.stats.replays == 0 and step.stats.eager == 3
+
+
+def test_an_object_guarded_by_identity_is_not_held() -> None:
+    import gc
+    import weakref
+
+    class Model:
+        def __init__(self) -> None:
+            self.w = pargrad.tensor([1.0, 2.0], requires_grad=True)
+
+        @pargrad.capture
+        def loss(self, x: Any) -> Any:
+            return (self.w * x).sum()
+
+    models = [Model() for _ in range(3)]
+    for m in models:
+        m.loss(pargrad.tensor([1.0, 1.0]))
+        m.loss(pargrad.tensor([1.0, 1.0]))
+    alive = [weakref.ref(m) for m in models]
+    del models, m
+    gc.collect()
+    assert all(r() is None for r in alive)
+    assert not Model.loss._variants  # each variant went with its object

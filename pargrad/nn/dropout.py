@@ -9,10 +9,12 @@ True
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from pargrad.nn import functional
 from pargrad.nn.module import Module
+from pargrad.replay import recorder
 from pargrad.tensor import Tensor
 
 
@@ -32,6 +34,8 @@ class Dropout(Module):
         self.p = p
 
     def forward(self, x: Any) -> Tensor:
+        if recorder.active:  # pargrad.capture: train() / eval() records the step again
+            recorder.guard(functools.partial(getattr, self, "training"), self.training)
         return functional.dropout(x, self.p, self.training)
 
     def extra_repr(self) -> str:

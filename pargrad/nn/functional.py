@@ -25,6 +25,7 @@ from pargrad.ops.linalg import matmul, transpose
 from pargrad.ops.nn import log_softmax, softmax
 from pargrad.ops.reductions import mean
 from pargrad.ops.shape import getitem
+from pargrad.replay import recorder
 from pargrad.tensor import Tensor
 
 __all__ = ["binary_cross_entropy_with_logits", "cross_entropy", "dropout", "embedding",
@@ -77,6 +78,9 @@ def dropout(x: Any, p: float = 0.5, training: bool = True,
         return (draws >= p).astype(dtype) * scale
 
     if not isinstance(x, Tensor):
+        if recorder.active:
+            recorder.fail("dropout of a numpy array inside the function (its values would "
+                          "be the first call's)")
         return random.drawn(lambda: array * mask())
     return x * random.drawn(mask)  # drawn afresh on every replay of pargrad.capture
 
@@ -119,11 +123,18 @@ def embedding(indices: Any, weight: Any) -> Tensor:
     tensor([[4., 5.],
             [0., 1.]], dtype=float64)
     """
-    index = _array(indices)
-    if index.dtype.kind not in "iu":
-        raise TypeError(f"embedding: indices must be integers, got dtype {index.dtype}")
     rows = _array(weight).shape[0]
-    if index.size and (index.min() < 0 or index.max() >= rows):
-        raise IndexError(f"embedding: indices {index.min()}..{index.max()} are out of range "
-                         f"for {rows} embeddings")
+
+    def checked(indices: Any) -> np.ndarray:
+        index = np.asarray(indices)
+        if index.dtype.kind not in "iu":
+            raise TypeError(f"embedding: indices must be integers, got dtype {index.dtype}")
+        if index.size and (index.min() < 0 or index.max() >= rows):
+            raise IndexError(f"embedding: indices {index.min()}..{index.max()} are out of "
+                             f"range for {rows} embeddings")
+        return index
+
+    index = checked(_array(indices))
+    if recorder.active:  # pargrad.capture: a replay checks and copies its own indices
+        recorder.derived(checked, (indices,), index)
     return getitem(weight, index)

@@ -337,7 +337,7 @@ class Op:
         result._view = None
         result._counter = None  # the node's output_counter once made (counter_of)
         if recorder.active:  # pargrad.capture records this thread or another
-            _note(self, args, params, (result,), raw)
+            _note(self, args, params, (result,), raw, "one" if one else "lean")
         return result
 
     # Every unusual operand's case in one place (views, devices, several outputs).
@@ -376,7 +376,7 @@ class Op:
                                                   outputs=True)
         if recorder.active:  # pargrad.capture records this thread or another
             _note(self, operands, params, tensors, not self.multi_output and (
-                type(out) is not np.ndarray))
+                type(out) is not np.ndarray), "outputs")
         return tensors
 
 
@@ -384,13 +384,14 @@ _new = object.__new__
 
 
 def _note(op: Op, args: tuple[Any, ...], params: dict[str, Any], tensors: tuple[Tensor, ...],
-          raw: bool) -> None:
-    """Tell the calling thread's recording (pargrad.capture) of an op call; a call on a
-    thread that does not record made tensors a recording cannot replay."""
+          raw: bool, path: str) -> None:
+    """Tell the calling thread's recording (pargrad.capture) of an op call, made by
+    ``path`` (``"one"``, ``"lean"``: ``Op.call``'s paths; ``"outputs"``); a call that no
+    recording of its thread notes made tensors the others cannot replay."""
     found = recorder.current()
     if found is not None:
-        found.note_op(op, args, params, tensors, raw)
-    else:
+        found.note_op(op, args, params, tensors, raw, path)
+    if found is None or recorder.active > 1:
         for t in tensors:
             recorder.note_made(t)
 
@@ -917,6 +918,8 @@ def dispatch_function(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) ->
     impl = FUNCTION_OPS.get(func)
     name = getattr(func, "__name__", repr(func))
     if impl is None and func in PLAIN_FUNCTIONS:
+        if recorder.active:
+            recorder.fail(f"numpy.{name} reads a tensor's values back into numpy")
         return func(*_plain(args), **{k: _plain(v) for k, v in kwargs.items()})
     if impl is None:
         raise TypeError(

@@ -26,6 +26,7 @@ from pargrad.ops.core import (
     normalize_axis,
 )
 from pargrad.ops.shape import reshape
+from pargrad.replay import recorder
 from pargrad.tensor import Tensor
 
 Axis = tuple[int, ...] | None
@@ -210,6 +211,8 @@ def argmax(x: Any, axis: int | None = None, keepdims: bool = False) -> Any:
     """Indices of the maxima along ``axis`` (of the flattened ``x`` if None), as
     ``np.argmax`` returns them: an integer or an integer array, never a Tensor (indices
     have no gradient)."""
+    if recorder.active:
+        recorder.fail("argmax reads a tensor's values back into numpy")
     return np.argmax(array_of(x), axis=axis, keepdims=keepdims)
 
 
@@ -217,6 +220,8 @@ def argmax(x: Any, axis: int | None = None, keepdims: bool = False) -> Any:
 @numpy_names
 def argmin(x: Any, axis: int | None = None, keepdims: bool = False) -> Any:
     """Indices of the minima along ``axis``, as ``argmax`` (no gradient)."""
+    if recorder.active:
+        recorder.fail("argmin reads a tensor's values back into numpy")
     return np.argmin(array_of(x), axis=axis, keepdims=keepdims)
 
 

@@ -5,7 +5,6 @@ with ``np.add.at`` so that repeated indices accumulate.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -168,10 +167,6 @@ _getitem = defop("getitem", lambda x, *, index: x[index],
                  needs_values=False, view=True)
 
 
-def _nonzero_part(j: int, mask: Any) -> np.ndarray:
-    return np.nonzero(np.asarray(mask))[j]
-
-
 def _normalize_index(index: Any) -> tuple[Any, ...]:
     items = index if isinstance(index, tuple) else (index,)
     out: list[Any] = []
@@ -184,11 +179,10 @@ def _normalize_index(index: Any) -> tuple[Any, ...]:
             if item.size == 0:
                 item = item.astype(np.intp)  # [] selects nothing, as in numpy
         if isinstance(item, np.ndarray) and item.dtype == bool and item.ndim > 0:
-            found = np.nonzero(item)  # add.at needs integer indices
-            out.extend(found)
-            if recorder.active:  # pargrad.capture: a replay finds its own index's
-                for j, part in enumerate(found):
-                    recorder.derived(functools.partial(_nonzero_part, j), (source,), part)
+            out.extend(np.nonzero(item))  # add.at needs integer indices
+            if recorder.active and recorder.depends(source):
+                recorder.fail("indexing by a boolean mask made from values: the result's "
+                              "shape depends on them")
         elif isinstance(item, np.ndarray):
             copy = item.copy()  # the node keeps it: a later change must not reach it
             out.append(copy)

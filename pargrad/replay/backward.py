@@ -38,19 +38,57 @@ Dest = tuple[str, int]
 ``v`` of the segment, or ``("out", e)``, the segment's edge ``e``."""
 
 
+class NodeShape(Node):
+    """What a plan keeps of a recorded node: its name, parameters and metadata, and
+    which of its edges lead anywhere, for the checks of ``Node._check``; not its saved
+    values nor the nodes it led to (the recording's graph is not kept alive)."""
+
+    __slots__ = ("_name", "params")
+
+    _name: str
+    params: dict[str, Any]
+
+    def name(self) -> str:
+        return self._name
+
+
+_EDGE = object()
+"""What a ``NodeShape`` has in place of a next node (``_check`` asks only whether
+there is one)."""
+
+
+def shape_of(node: Any) -> NodeShape:
+    shape = NodeShape.__new__(NodeShape)
+    shape._name = node.name()
+    shape.params = node.params
+    shape.next_nodes = tuple(None if n is None else _EDGE for n in node.next_nodes)  # type: ignore[misc]
+    shape.input_nrs = node.input_nrs
+    shape._input_meta = node._input_meta
+    shape._output_meta = node._output_meta
+    shape.cost = node.cost
+    shape.device = node.device
+    shape.sequence_nr = node.sequence_nr
+    shape._released = False
+    shape._hooks = None
+    shape._forward_trace = None
+    return shape
+
+
 class NodePlan:
     """One recorded node, as its segment's backward runs it."""
 
     def __init__(self, node: Any, op: Any, gin: tuple[int | None, ...],
                  args: tuple[Any, ...], ans: Any, pspec: dict[str, Any] | None,
                  dests: list[tuple[int, Dest]], check_index: int | None) -> None:
-        self.node = node  # the node of the recording: its metadata, its checks
+        self.node = shape_of(node)  # the recorded node's metadata, for its checks
+        self.blas: bool = node.calls_blas
         self.name: str = node.name()
         self.op = op
         self.gin = gin  # per output: its gradient variable (None: it gets none)
         self.args = args  # per argument: the spec of what its rules read
         self.ans = ans  # the spec of the output they read (a tuple: several outputs)
         self.params = node.params
+        self.saves = op.needs_values  # whether it saved values (freed after a backward)
         self.pspec = pspec  # parameters that hold values of the recording, as specs
         self.dests = dests  # per live edge: (edge index, destination)
         self.check = check_index  # its version checks in the node's ``versions``
@@ -84,6 +122,7 @@ class NodePlan:
             if r is None:
                 r = rules[i](g, ans, *args, **params)
             meta = self.node._input_meta[i]
+            assert meta is not None  # an edge that leads somewhere has its input's
             if type(r) is not np.ndarray or r.dtype is not meta[1] or r.shape != meta[0]:
                 r = fitter(self.node, i)(r)
             out[i] = r
@@ -140,10 +179,12 @@ class Segment:
         # Per plan with checks: ([(where, "ext"|"arg", i)], [(where, returned index)]).
         self.checks = checks
         self.device = device
-        self.calls_blas = any(p.node.calls_blas for p in plans)
+        self.calls_blas = any(p.blas for p in plans)
         self.cost = sum(p.node.cost for p in plans)
         self.names = [p.name for p in plans]
         self.needs_values = any(p.op.needs_values for p in plans)
+        self.saving = [pos for pos, p in enumerate(plans) if p.saves]
+        self.display_name = "CapturedBackward"
         # The node an eager second backward would find freed first: the newest that saved
         # values (the ones before it keep none and run again).
         self.first_saving = next((p.name for p in plans if p.op.needs_values),
@@ -155,8 +196,9 @@ class Segment:
     # ----- the interpreter -----
 
     # Run for every node of a replay before its compile: kept in one frame.
-    def interpret(self, grads: list[Grad | None], saved: tuple[Any, ...],  # noqa: C901
-                  versions: list[tuple[SavedVersion, ...]]) -> list[Grad | None]:
+    def interpret(self, grads: list[Grad | None], saved: tuple[Any, ...],  # noqa: C901, PLR0912
+                  versions: list[tuple[SavedVersion, ...]], ran: bytearray,
+                  retain: bool) -> list[Grad | None]:
         g: list[Grad | None] = [None] * self.n_vars
         owned = [False] * self.n_vars
         for j, v in enumerate(self.incoming):
@@ -164,10 +206,15 @@ class Segment:
         out: list[Grad | None] = [None] * len(self.edges)
         plan = self.plans[0]
         try:
-            for plan in self.plans:
+            for pos, plan in enumerate(self.plans):
                 inputs = [None if v is None else g[v] for v in plan.gin]
                 if all(x is None for x in inputs):
                     continue
+                if plan.saves:
+                    if ran[pos]:
+                        released(plan.name)
+                    if not retain:
+                        ran[pos] = 1
                 if plan.check is not None:
                     check(plan.name, versions[plan.check])
                 results = plan.apply(inputs, saved)
@@ -192,7 +239,7 @@ class Segment:
     def compile(self) -> None:
         """Make the plans one generated function and run that from now on."""
         ns = Namespace()
-        lines = ["def backward(G, S, V):"]
+        lines = ["def backward(G, S, V, RAN, retain):"]
         lines += [f"    s{p} = S[{p}]" for p in range(len(self.saved_slots))]
         lines += [f"    g{v} = G[{j}]" for j, v in enumerate(self.incoming)]
         incoming = set(self.incoming)
@@ -223,6 +270,10 @@ class Segment:
             for k, v in plan.params.items()) + "}"
         live = " or ".join(f"{g} is not None" for g in gnames if g != "None") or "False"
         lines = [f"        if {live}:  # {plan.name}", f"            at = {pos}"]
+        if plan.saves:
+            lines.append(f"            if RAN[{pos}]: {ns.name(released, 'released')}"
+                         f"({plan.name!r})")
+            lines.append(f"            if not retain: RAN[{pos}] = 1")
         if plan.check is not None:
             lines.append(f"            {ns.name(check, 'check')}({plan.name!r}, V[{plan.check}])")
         general_call = (f"{ns.name(general(plan.node, plan.op), 'general')}("
@@ -247,7 +298,9 @@ class Segment:
                     lines.append(f"                if r{i} is None: r{i} = {call}")
                 else:
                     lines.append(f"                r{i} = {call}")
-                shape, dtype = plan.node._input_meta[i]
+                meta = plan.node._input_meta[i]
+                assert meta is not None  # an edge that leads somewhere has its input's
+                shape, dtype = meta
                 lines.append(f"                if type(r{i}) is not ndarray or r{i}.dtype is not "
                              f"{ns.name(dtype, 'dt')} or r{i}.shape != {shape!r}: "
                              f"r{i} = {ns.name(fitter(plan.node, i), 'fit')}(r{i})")
@@ -257,6 +310,12 @@ class Segment:
         else:
             lines.append(f"            rs = {general_call}")
             lines += [f"            r{i} = rs[{i}]" for i, _ in plan.dests]
+        return lines + self._deliver_lines(plan, ns)
+
+    def _deliver_lines(self, plan: NodePlan, ns: Namespace) -> list[str]:
+        """The lines that hand a node's gradients on: to a variable of the segment (added
+        up where several reach it) or to an edge out."""
+        lines: list[str] = []
         acc = ns.name(accumulate, "acc")
         for i, (kind, where) in plan.dests:
             if kind == "out":
@@ -307,6 +366,8 @@ class Segment:
                 records.append(SavedVersion(where, counter, counter.value, t.data))
             versions.append(tuple(records))
         fn.versions = versions
+        fn.ran = bytearray(len(self.plans))
+        fn.retain = False
         return fn
 
     def watch_outputs(self, node: CapturedBackward, out: list[Any]) -> None:
@@ -315,10 +376,18 @@ class Segment:
         for c, (_, returned_checked) in enumerate(self.checks):
             if returned_checked:
                 extra = []
-                for where, r in returned_checked:
+                for where, r, like in returned_checked:
                     counter = counter_of(out[r])
-                    extra.append(SavedVersion(where, counter, counter.value, out[r].data))
+                    extra.append(SavedVersion(where, counter, counter.value, like))
                 node.versions[c] = node.versions[c] + tuple(extra)
+
+
+def released(name: str) -> None:
+    """Raise the error of a backward through a node whose saved values a backward
+    without ``retain_graph`` freed (as ``Node.apply``'s)."""
+    raise BackwardError(
+        name, "trying to backward through the graph a second time, but its saved values "
+              "were already freed; pass retain_graph=True to the first backward call")
 
 
 def _expr(spec: Any, ns: Namespace) -> str:
@@ -328,40 +397,48 @@ def _expr(spec: Any, ns: Namespace) -> str:
 
 class CapturedBackward(Node):
     """The backward of one segment of a replayed step: one output per tensor it hands on,
-    one edge per gradient it sends out (pargrad/replay/backward.py)."""
+    one edge per gradient it sends out (pargrad/replay/backward.py).
 
-    __slots__ = ("saved", "segment", "versions")
+    As each eager node frees its saved values after a backward without ``retain_graph``,
+    each of its plans that saved values is marked in ``ran`` once it ran so; a later
+    backward reaching it raises the eager error. The values go once every such plan ran.
+    """
+
+    __slots__ = ("ran", "retain", "saved", "segment", "versions")
     materialize_grads = False  # an output that got no gradient: its nodes do not run
 
     segment: Segment
     saved: tuple[Any, ...] | None
     versions: list[tuple[SavedVersion, ...]]
+    ran: bytearray  # per plan: it ran in a backward that freed its values
+    retain: bool  # the current backward's retain_graph
 
     def name(self) -> str:
-        return "CapturedBackward"
+        """The eager node's name where the segment hands on one tensor (the name in its
+        errors, as eagerly); ``CapturedBackward`` otherwise."""
+        return self.segment.display_name
 
     @property
     def calls_blas(self) -> bool:  # type: ignore[override]
         return self.segment.calls_blas
 
     def backward(self, grads: tuple[Grad, ...]) -> list[Grad | None]:
+        segment = self.segment
         if grad_mode.is_grad_enabled():
-            give_up = self.segment.give_up
-            if give_up is not None:
-                give_up("a backward with create_graph=True went through a replay", None)
+            if segment.give_up is not None:
+                segment.give_up("a backward with create_graph=True went through a replay",
+                                None)
             raise BackwardError(
-                self.segment.names[0],
+                segment.names[0],
                 "create_graph=True through a step replayed by pargrad.capture is not "
                 "supported; the step runs eagerly from its next call on")
         saved = self.saved
-        if saved is None:
-            raise BackwardError(
-                self.segment.first_saving,
-                "trying to backward through the graph a second time, but its saved values "
-                "were already freed; pass retain_graph=True to the first backward call")
-        return self.segment.run(list(grads), saved, self.versions)
+        if saved is None:  # every plan that saved values ran: any would raise
+            released(segment.first_saving)
+        return segment.run(list(grads), saved, self.versions, self.ran, self.retain)
 
     def apply(self, grads: Sequence[Grad | None], *, retain_graph: bool) -> list[Grad | None]:
+        self.retain = retain_graph
         if (self._hooks is not None or (anomaly.on and anomaly.mode.enabled)
                 or not grad_mode.off or grad_mode.mode.enabled):
             results = Node.apply(self, grads, retain_graph=retain_graph)
@@ -372,12 +449,11 @@ class CapturedBackward(Node):
             else:
                 return [None] * len(self.next_nodes)
             results = self.backward(tuple(grads))
-        if not retain_graph and self.segment.needs_values:
-            self.saved = None
+        if not retain_graph and self.saved is not None and all(
+                self.ran[pos] for pos in self.segment.saving):
+            self.saved = None  # no plan will read them again
+            self.versions = []
         return results
 
     def _free_saved(self) -> bool:
-        if not self.segment.needs_values:
-            return False
-        self.saved = None
-        return True
+        return False  # per plan, by ``ran`` (``apply``)

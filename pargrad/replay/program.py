@@ -24,12 +24,12 @@ from typing import Any
 
 import numpy as np
 
-from pargrad import grad_mode, parallel
+from pargrad import parallel
 from pargrad.devices import CPU
 from pargrad.ops import large as buffers
 from pargrad.replay import source
 from pargrad.replay.backward import CapturedBackward, NodePlan, Segment
-from pargrad.replay.recorder import Instr, Recorder
+from pargrad.replay.recorder import Instr, Recorder, Returned
 from pargrad.replay.source import Namespace, resolve
 from pargrad.tensor import Tensor
 
@@ -44,20 +44,32 @@ class Unreplayable(Exception):
     """A recording that ``Program`` cannot make into a replay (the reason is the message)."""
 
 
-def _kernel(op: Any, arrays: Sequence[Any], params: dict[str, Any]) -> Callable[..., Any]:
-    """What a replay calls for a recorded op: its forward, or for large arrays the call
-    ``Op.call`` makes of it (from the pool, or cut into chunks: the same bits)."""
+def _kernel(op: Any, arrays: Sequence[Any], params: dict[str, Any],
+            path: str) -> Callable[..., Any]:
+    """What a replay calls for a recorded op: the call the eager op made of its forward,
+    on these arrays' sizes (guarded, and the thresholds with them), by the path of
+    ``Op.call`` that ran it: for large arrays, into an array of the pool or cut into
+    chunks, with the same bits and the same memory layout as eagerly."""
     forward = op.forward
-    if op.cut_forward and parallel.large(arrays):
-        def cut(*args: Any, **kw: Any) -> Any:
-            out = parallel.elementwise(forward, args, kw)
-            return forward(*args, **kw) if out is None else out
-        return cut
-    if op.ufunc and not params and parallel.large(arrays, buffers.OUT_MIN):
-        def pooled(*args: Any) -> Any:
-            return buffers.fresh(forward, *args)
-        return pooled
-    return forward
+    if path == "outputs":  # Op.outputs calls the forward as it is
+        return forward
+    if path == "one":  # one Tensor, alone or beside a scalar: Op.call's first path
+        size = arrays[0].size
+        cut = op.cut_forward and size >= parallel.min_elements_
+        big = cut or size >= buffers.OUT_MIN
+    else:
+        cut = op.cut_forward and parallel.large(arrays)
+        big = cut or (op.ufunc and parallel.large(arrays, buffers.OUT_MIN))
+    if not big:
+        return forward
+    pooled = op.ufunc and not params
+
+    def large(*args: Any, **kw: Any) -> Any:
+        out = parallel.elementwise(forward, args, kw) if cut else None
+        if out is None:
+            out = buffers.fresh(forward, *args) if pooled else forward(*args, **kw)
+        return out
+    return large
 
 
 class _Step:
@@ -96,7 +108,7 @@ class _Step:
 class Program:
     """One recorded variant of a step: made once per recording; ``run`` replays it."""
 
-    def __init__(self, rec: Recorder, returned: list[Any],
+    def __init__(self, rec: Recorder, returned: list[Returned],
                  give_up: Callable[[str, str | None], None] | None = None) -> None:
         # Called with a reason when a replay meets what it cannot do (create_graph): the
         # step runs eagerly from then on.
@@ -108,6 +120,7 @@ class Program:
         # gradients to.
         self.externals: list[Any] = []
         self.ext_guard: list[tuple[Any, ...]] = rec.guards  # as they were when recorded
+        self.value_guards = rec.value_guards
         self.inputs: list[tuple[str, Any]] = []  # per input slot: ("arg"|"array"|"ext", i)
         self.ext_of_slot: dict[int, int] = {}
         for (kind, what), slot in zip(rec.inputs, rec.input_slots):
@@ -139,16 +152,16 @@ class Program:
         if instr.kind == "op":
             arrays = [rec.values[s[1]] if s[0] == "slot" else s[1] for s in instr.operands]
             form = "multi" if instr.fn.multi_output else "raw" if instr.raw else "one"
-            return _Step(instr, _kernel(instr.fn, arrays, instr.params), form)
+            return _Step(instr, _kernel(instr.fn, arrays, instr.params, instr.path), form)
         if instr.kind == "call":
             return _Step(instr, instr.fn, "raw")
         return _Step(instr, instr.fn, instr.kind)  # random, detach
 
-    def _returned(self, rec: Recorder, returned: list[Any],
+    def _returned(self, rec: Recorder, returned: list[Returned],
                   keep: Callable[[int], int]) -> list[tuple[str, Any]]:
         out: list[tuple[str, Any]] = []
         for t in returned:
-            slot = rec.slot.get(id(t), -1)
+            slot = t.slot
             if slot in self.ext_of_slot:
                 out.append(("ext", self.externals[self.ext_of_slot[slot]]))
             elif slot in rec.input_slots:  # an argument itself
@@ -157,7 +170,7 @@ class Program:
                 keep(slot)
                 kind = "const" if slot in rec.const_slots else (
                     "node" if t.grad_fn is not None else "plain")
-                out.append((kind, (slot, t._device, t.grad_fn, t.output_nr)))
+                out.append((kind, (slot, t.device, t.grad_fn, t.output_nr)))
         return out
 
     # ----- forward -----
@@ -211,6 +224,10 @@ class Program:
             if _guard_of(t) != guard:
                 return (f"an outside tensor changed: {_describe(guard)} -> "
                         f"{_describe(_guard_of(t))}")
+        for read, value in self.value_guards:
+            now = read()
+            if now != value:
+                return f"a value the function read changed: {value!r} -> {now!r}"
         return None
 
     def run(self, arg_tensors: list[Any], arg_arrays: list[Any]) -> list[Tensor]:
@@ -228,7 +245,7 @@ class Program:
                 values.append(arg_arrays[i])
         kept = self.forward(*values)
         nodes: list[CapturedBackward] = []
-        record = bool(self.segments) and grad_mode.is_grad_enabled()
+        record = bool(self.segments)  # the recording's nodes (grad mode is guarded)
         if record:
             ext_edges = [t._edge() for t in self.externals]
             for segment in self.segments:  # oldest first: each may send to older ones
@@ -271,7 +288,7 @@ def _describe(guard: tuple[Any, ...]) -> str:
 class _Analysis:
     """The recorded nodes, newest first, their edges and their segments."""
 
-    def __init__(self, rec: Recorder, program: Program, returned: list[Any]) -> None:
+    def __init__(self, rec: Recorder, program: Program, returned: list[Returned]) -> None:
         self.rec = rec
         self.program = program
         producer: dict[int, tuple[Instr, int]] = {}  # slot -> (instr, output index)
@@ -340,6 +357,9 @@ class _Analysis:
         index = {key: (s, j) for s, keys in enumerate(outputs) for j, key in enumerate(keys)}
         made = [self._segment([k for k in range(n) if segment_of[k] == s], outputs[s],
                               segment_of, index, keep) for s in range(count)]
+        for segment, keys in zip(made, outputs):
+            if len(keys) == 1:  # its node is named as the eager node of that tensor
+                segment.display_name = self.instrs[keys[0][0]].node.name()
         by_node = {(id(self.instrs[k].node), m): where for (k, m), where in index.items()}
         return made, by_node
 
@@ -449,7 +469,9 @@ class _Analysis:
             array = self.returned[r].data
             for where, value in items:
                 if type(value) is np.ndarray and np.shares_memory(value, array):
-                    returned_checked.append((where, r))
+                    # (the saved array's shape and dtype, for the error's message)
+                    returned_checked.append((where, r, np.broadcast_to(
+                        np.zeros((), value.dtype), value.shape)))
                     break
         return (inputs_checked, returned_checked) if inputs_checked or returned_checked else (
             None)

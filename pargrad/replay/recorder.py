@@ -41,7 +41,8 @@ _recorders: list[Recorder] = []  # the recordings in progress; guarded by _lock
 
 
 class _Local(threading.local):
-    recorder: Recorder | None = None
+    recorder: Recorder | None = None  # the innermost recording of this thread
+    outer: tuple[Recorder | None, ...] = ()  # the recordings it is nested in
 
 
 _local = _Local()
@@ -70,7 +71,8 @@ class Instr:
     """One recorded call: ``kind`` is ``"op"``, ``"call"`` (a numpy function of
     ``operands``), ``"random"`` (``fn()`` draws fresh values) or ``"detach"``."""
 
-    __slots__ = ("fn", "kind", "node", "operands", "outs", "params", "pspec", "raw", "saved")
+    __slots__ = ("fn", "kind", "node", "operands", "outs", "params", "path", "pspec", "raw",
+                 "saved")
 
     def __init__(self, kind: str, fn: Any, operands: tuple[Spec, ...], params: dict[str, Any],
                  outs: tuple[int, ...], node: Any = None, raw: bool = False,
@@ -82,6 +84,7 @@ class Instr:
         self.outs = outs  # the slots of its outputs
         self.node = node  # the op's backward node at the recording (None: it made none)
         self.raw = raw  # whether the forward returned something that is not an ndarray
+        self.path = "outputs"  # an op's: the path of Op.call or Op.outputs that ran it
         # The parameters that hold values of the recording (an index array made from a
         # tensor), as operand specs in nested tuples (None: every one is a constant).
         self.pspec = pspec
@@ -117,6 +120,8 @@ class Recorder:
         self.failure: str | None = None
         self.where: str | None = None
         self.guards: list[tuple[Any, ...]] = []  # the outside tensors', made by finish
+        # Python values the function read that a replay checks: (read, value seen).
+        self.value_guards: list[tuple[Callable[[], Any], Any]] = []
         for i, t in enumerate(arg_tensors):
             if id(t) not in self.slot:
                 n = self.slot[id(t)] = self._input(("arg", i), t.data)
@@ -160,13 +165,20 @@ class Recorder:
             n = self.array_slot.get(id(value))
             if n is not None:  # a tensor's array itself (``x * h.data``): its slot
                 return ("slot", n)
-            if any(isinstance(v, np.ndarray) and np.may_share_memory(v, value)
-                   for v in self.values):
-                self.fail("a numpy view of a tensor's array (made from tensor.data) is used "
-                          "as a constant")
+            self._check_view(value)
         elif isinstance(value, (list, tuple)) and any(isinstance(v, _tensor[0]) for v in value):
             self.fail("a list of tensors is an operand")
         return ("value", value)
+
+    def _check_view(self, value: Any) -> None:
+        """Fail if ``value``, an array the recording would keep as a constant, shares
+        memory with a value of the recording (a view of an argument's array, or of a
+        tensor's ``.data``): it would not follow the next call's values."""
+        if isinstance(value, np.ndarray) and any(
+                isinstance(v, np.ndarray) and np.may_share_memory(v, value)
+                for v in self.values):
+            self.fail("a numpy view of an argument's or a tensor's array is used as a "
+                      "constant")
 
     def _outside(self, tensor: Any) -> int:
         """The slot of a tensor the recording meets for the first time: an outside tensor,
@@ -216,7 +228,7 @@ class Recorder:
         return ("value", value)
 
     def note_op(self, op: Any, args: tuple[Any, ...], params: dict[str, Any],
-                tensors: tuple[Any, ...], raw: bool) -> None:
+                tensors: tuple[Any, ...], raw: bool, path: str = "outputs") -> None:
         operands = tuple([self.spec(a) for a in args])
         node = tensors[0].grad_fn if tensors else None
         pspec = None
@@ -225,14 +237,17 @@ class Recorder:
             if all(spec[0] == "value" or (spec[0] == "tuple" and not _has_slot(spec))
                    for spec in pspec.values()):
                 pspec = None
-        self.instrs.append(Instr("op", op, operands, params, self._outs(tensors), node, raw,
-                                 pspec))
+        instr = Instr("op", op, operands, params, self._outs(tensors), node, raw, pspec)
+        instr.path = path
+        self.instrs.append(instr)
 
     def derive(self, fn: Callable[..., np.ndarray], sources: tuple[Any, ...],
                result: np.ndarray) -> None:
         """``result`` is ``fn`` of the arrays of ``sources`` (tensors or arrays): where one
         is a value of the recording, a replay computes it again."""
         if not any(isinstance(s, _tensor[0]) or id(s) in self.array_slot for s in sources):
+            for s in sources:
+                self._check_view(s)
             return  # made from constants: a constant
         operands = tuple(self.spec(s) for s in sources)
         self.instrs.append(Instr("call", fn, operands, {}, (self._new(result),)))
@@ -262,8 +277,23 @@ class Recorder:
             self.instrs.append(Instr("call", lambda a: np.array(a, dtype=dtype), operands, {},
                                      self._outs((out,))))
             return
+        self._check_view(source)
         n = self._outs((out,))[0]
         self.const_slots[n] = out.data
+
+
+class Returned:
+    """What a recording keeps of a tensor ``fn`` returned, as it was when ``fn`` returned
+    (the tensor itself may change after: ``loss += penalty``)."""
+
+    __slots__ = ("data", "device", "grad_fn", "output_nr", "slot")
+
+    def __init__(self, recorder: Recorder, tensor: Any) -> None:
+        self.slot = recorder.slot.get(id(tensor), -1)
+        self.grad_fn = tensor.grad_fn
+        self.output_nr = tensor.output_nr
+        self.device = tensor._device
+        self.data = tensor.data
 
 
 def start(recorder: Recorder) -> None:
@@ -272,13 +302,14 @@ def start(recorder: Recorder) -> None:
     with _lock:
         _recorders.append(recorder)
         active = len(_recorders)
+    _local.outer = (*_local.outer, _local.recorder)
     _local.recorder = recorder
 
 
 def stop(recorder: Recorder) -> None:
-    """End the calling thread's recording."""
+    """End the calling thread's recording: the one it was nested in, if any, goes on."""
     global active
-    _local.recorder = None
+    _local.recorder, _local.outer = _local.outer[-1], _local.outer[:-1]
     with _lock:
         _recorders.remove(recorder)
         active = len(_recorders)
@@ -298,8 +329,7 @@ def after_fork_in_child() -> None:
     """In a child process (fork.py, ``_lock`` held): only the forking thread is left,
     and only its recording goes on."""
     global active
-    mine = _local.recorder
-    _recorders[:] = [] if mine is None else [mine]
+    _recorders[:] = [r for r in (*_local.outer, _local.recorder) if r is not None]
     active = len(_recorders)
 
 
@@ -315,6 +345,15 @@ def note_made(tensor: Any) -> None:
             recorder.made.add(id(tensor))
 
 
+def guard(read: Callable[[], Any], value: Any) -> None:
+    """The calling thread's recording (if any) depends on the Python value ``read()``,
+    now ``value`` (a module's ``training`` flag): a replay checks it first, and records
+    again where it changed."""
+    found = current()
+    if found is not None:
+        found.value_guards.append((read, value))
+
+
 def derived(fn: Callable[..., np.ndarray], sources: tuple[Any, ...], result: np.ndarray) -> None:
     """``Recorder.derive`` on the calling thread's recording, if one is in progress."""
     found = current()
@@ -326,6 +365,14 @@ def _has_slot(spec: Any) -> bool:
     if spec[0] == "slot":
         return True
     return spec[0] == "tuple" and any(_has_slot(s) for s in spec[1])
+
+
+def depends(value: Any) -> bool:
+    """Whether ``value`` is a tensor or a value of the calling thread's recording (so
+    something made from it changes from call to call)."""
+    found = current()
+    return found is not None and (isinstance(value, _tensor[0])
+                                  or id(value) in found.array_slot)
 
 
 def fail(reason: str) -> None:

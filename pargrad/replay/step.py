@@ -18,14 +18,17 @@ from __future__ import annotations
 import functools
 import threading
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, ParamSpec, TypeVar
 
 import numpy as np
 
-from pargrad import anomaly, grad_mode
+from pargrad import anomaly, grad_mode, parallel
 from pargrad.graph import next_sequence_nr
+from pargrad.ops import large as buffers
+from pargrad.replay import program as programs
 from pargrad.replay import recorder
 from pargrad.replay.program import Program, Unreplayable
 from pargrad.tensor import Tensor
@@ -73,13 +76,16 @@ class _Variant:
 
     __slots__ = ("key", "pending", "pinned", "program", "result")
 
-    def __init__(self, key: tuple[Any, ...], pending: tuple[recorder.Recorder, list[Tensor]],
+    def __init__(self, key: tuple[Any, ...], program: Program | None,
+                 pending: tuple[recorder.Recorder, list[recorder.Returned]] | None,
                  result: Any, pinned: list[Any]) -> None:
         self.key = key
-        self.program: Program | None = None
-        self.pending: tuple[recorder.Recorder, list[Tensor]] | None = pending
+        self.program = program
+        self.pending = pending
         self.result = result  # how to build fn's return value from the returned tensors
-        self.pinned = pinned  # arguments guarded by identity: kept alive, so ids stay theirs
+        # Arguments guarded by identity, held weakly where they can be (a variant whose
+        # object dies is dropped, so that no new object with its id matches), else held.
+        self.pinned = pinned
 
 
 class Captured(Generic[P, R]):
@@ -89,8 +95,10 @@ class Captured(Generic[P, R]):
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.stats = CaptureStats()
-        self._lock = threading.Lock()  # guards _variants, _eager_reason and stats
+        self._lock = threading.Lock()  # guards _variants and stats
         self._variants: dict[tuple[Any, ...], _Variant] = {}
+        # Guards making a variant's program from its recording (once, by one thread).
+        self._making = threading.Lock()
 
     def __repr__(self) -> str:
         return f"<pargrad.capture of {getattr(self.fn, '__qualname__', self.fn)!r}>"
@@ -114,7 +122,10 @@ class Captured(Generic[P, R]):
         arrays: list[np.ndarray] = []
         pinned: list[Any] = []
         key = (_flatten((args, kwargs), tensors, arrays, pinned),
-               grad_mode.is_grad_enabled())
+               grad_mode.is_grad_enabled(), parallel.min_elements_, buffers.OUT_MIN,
+               # which array arguments are a tensor argument's own array
+               tuple(next((i for i, t in enumerate(tensors) if t.data is a), -1)
+                     for a in arrays))
         with self._lock:
             variant = self._variants.get(key)
         if variant is not None:
@@ -156,29 +167,60 @@ class Captured(Generic[P, R]):
             self.stats.reasons.append(why)
         if rec.failure is None and _share_memory(returned):
             rec.fail("the function returns two tensors that share memory")
+        if rec.failure is None and _views_an_input(returned, rec):
+            rec.fail("the function returns a view of an argument or an outside tensor")
         if rec.failure is not None:
             self._fall_back(rec.failure, rec.where)
             return result
+        kept = [recorder.Returned(rec, t) for t in returned]
         rec.finish()
+        program = None
+        if sum(i.node.cost for i in rec.instrs if i.node is not None) >= (
+                programs.SEGMENT_COST):
+            # Large arrays: making the program now costs little beside the kernels, and
+            # the recording's arrays are not held until the next call.
+            try:
+                program = Program(rec, kept, self._fall_back)
+            except Unreplayable as exc:
+                self._fall_back(str(exc), None)
+                return result
+        variant = _Variant(key, program, None if program else (rec, kept), spec,
+                           self._held(pinned, key))
         with self._lock:
-            self._variants[key] = _Variant(key, (rec, returned), spec, pinned)
+            self._variants[key] = variant
         return result
+
+    def _held(self, pinned: list[Any], key: tuple[Any, ...]) -> list[Any]:
+        """Weak references to ``pinned`` (each dropping the variant of ``key`` when its
+        object dies), or the objects themselves where they cannot be weakly referenced."""
+        held: list[Any] = []
+        for obj in pinned:
+            try:
+                held.append(weakref.ref(obj, functools.partial(self._forget, key)))
+            except TypeError:
+                held.append(obj)
+        return held
+
+    def _forget(self, key: tuple[Any, ...], _: Any = None) -> None:
+        with self._lock:
+            self._variants.pop(key, None)
 
     def _program(self, variant: _Variant) -> Program | None:
         """The program of ``variant``, made now from its recording (None: it cannot be
         replayed, and the step runs eagerly from now on)."""
-        pending = variant.pending
-        if pending is None:  # another thread made it meanwhile
-            return variant.program
-        try:
-            program = Program(*pending, self._fall_back)
-        except Unreplayable as exc:
-            self._fall_back(str(exc), None)
-            with self._lock:
-                self.stats.eager += 1
-            return None
-        variant.program, variant.pending = program, None
-        return program
+        with self._making:
+            pending = variant.pending
+            if pending is None:  # another thread made it meanwhile
+                return variant.program
+            try:
+                program = Program(*pending, self._fall_back)
+            except Unreplayable as exc:
+                self._fall_back(str(exc), None)
+                with self._lock:
+                    self.stats.eager += 1
+                return None
+            variant.program, variant.pending = program, None
+            return program
 
     def _fall_back(self, reason: str, where: str | None) -> None:
         """Run ``fn`` eagerly from now on, saying why once."""
@@ -244,6 +286,10 @@ def _flatten(value: Any, tensors: list[Tensor], arrays: list[np.ndarray],
         return (type(value), tuple(_flatten(v, tensors, arrays, pinned) for v in value))
     if isinstance(value, dict):
         return (dict, tuple((k, _flatten(v, tensors, arrays, pinned)) for k, v in value.items()))
+    if isinstance(value, (float, np.floating)):  # by its bits: 0.0 is not -0.0, nan is nan
+        return ("float", type(value), float(value).hex())
+    if isinstance(value, (complex, np.complexfloating)):
+        return ("float", type(value), (complex(value).real.hex(), complex(value).imag.hex()))
     if isinstance(value, _SCALARS):
         return (type(value), value)
     pinned.append(value)
@@ -255,6 +301,10 @@ def _difference(known: list[tuple[Any, ...]], new: tuple[Any, ...]) -> str:
     old = min(known, key=lambda k: _count_differences(k, new))
     if old[1] != new[1]:
         return f"grad mode: {'enabled' if new[1] else 'disabled'}"
+    if old[2:4] != new[2:4]:
+        return "pargrad.parallel's or the pool's thresholds changed"
+    if old[4] != new[4]:
+        return "an array argument is (or no longer is) a tensor argument's array"
     (_, (old_args, old_kwargs)), (_, (new_args, new_kwargs)) = old[0], new[0]
     if len(old_args[1]) == len(new_args[1]):
         for i, (a, b) in enumerate(zip(old_args[1], new_args[1])):
@@ -267,6 +317,14 @@ def _difference(known: list[tuple[Any, ...]], new: tuple[Any, ...]) -> str:
             if found is not None:
                 return found
     return _first_difference(old[0], new[0], "arguments") or "new arguments"
+
+
+def _float_of(key: tuple[Any, ...]) -> Any:
+    """The number a ``("float", type, bits)`` key stands for."""
+    bits = key[2]
+    if isinstance(bits, tuple):
+        return complex(float.fromhex(bits[0]), float.fromhex(bits[1]))
+    return float.fromhex(bits)
 
 
 def _count_differences(old: Any, new: Any) -> int:
@@ -289,6 +347,8 @@ def _first_difference(old: Any, new: Any, where: str) -> str | None:
     if (isinstance(old, tuple) and isinstance(new, tuple) and len(old) == len(new) == 2
             and old[0] is new[0] and old[0] in _SCALARS_TYPES):
         return f"{where}: {old[1]!r} -> {new[1]!r}"
+    if isinstance(old, tuple) and isinstance(new, tuple) and old[:1] == new[:1] == ("float",):
+        return f"{where}: {_float_of(old)!r} -> {_float_of(new)!r}"
     if (isinstance(old, tuple) and isinstance(new, tuple) and len(old) == len(new) == 2
             and isinstance(old[1], tuple) and isinstance(new[1], tuple)
             and len(old[1]) == len(new[1])):
@@ -300,6 +360,15 @@ def _first_difference(old: Any, new: Any, where: str) -> str | None:
 
 
 # ----- the return value -----
+
+def _views_an_input(returned: list[Tensor], rec: recorder.Recorder) -> bool:
+    """Whether a tensor the recording made and ``fn`` returns shares memory with an
+    argument or an outside tensor (eagerly a view of it, with its version counter)."""
+    inputs = [rec.values[slot] for slot in rec.input_slots]
+    return any(rec.slot.get(id(t)) not in rec.input_tensor and isinstance(a, np.ndarray)
+               and np.may_share_memory(t.data, a) and np.shares_memory(t.data, a)
+               for t in returned for a in inputs)
+
 
 def _share_memory(tensors: list[Tensor]) -> bool:
     """Whether two of ``tensors`` share memory (arrays that do share a root base)."""
@@ -339,6 +408,9 @@ def _result_spec(value: Any, returned: list[Tensor], rec: recorder.Recorder,
     if isinstance(value, dict):
         return ("dict", type(value),
                 [(k, _result_spec(v, returned, rec, seen)) for k, v in value.items()])
+    if not isinstance(value, _SCALARS):
+        rec.fail(f"the function returns a {type(value).__name__}, which capture does not "
+                 f"look inside (return tensors, in tuples, lists or dicts)")
     return ("value", value)
 
 
