@@ -26,6 +26,7 @@ import numpy as np
 
 from pargrad import anomaly, grad_mode, parallel
 from pargrad.devices import Device
+from pargrad.engine.buffer import _sum as new_array_sum
 from pargrad.engine.buffer import accumulate
 from pargrad.graph import BackwardError, Grad, Meta, Node, _with_zeros, next_sequence_nr
 from pargrad.replay import source
@@ -316,15 +317,21 @@ class Segment:
         """The lines that hand a node's gradients on: to a variable of the segment (added
         up where several reach it) or to an edge out."""
         lines: list[str] = []
-        acc = ns.name(accumulate, "acc")
+        add, new_sum = ns.name(np.add, "add"), ns.name(new_array_sum, "new_sum")
         for i, (kind, where) in plan.dests:
+            g, owned = f"g{where}", f"o{where}"
             if kind == "out":
                 lines.append(f"            R[{where}] = r{i}")
             elif where in self.accumulated:
-                lines.append(f"            if r{i} is not None: g{where}, o{where} = (r{i}, False)"
-                             f" if g{where} is None else {acc}(g{where}, o{where}, r{i})")
+                # engine.buffer.accumulate written out: every gradient here is an array
+                # (a rule's result, checked), so the first is kept, the second summed into
+                # a new array, and the later ones added into that one.
+                lines += [f"            if r{i} is not None:",
+                          f"                if {g} is None: {g} = r{i}",
+                          f"                elif {owned}: {add}({g}, r{i}, {g})",
+                          f"                else: {g}, {owned} = {new_sum}({g}, r{i}), True"]
             else:
-                lines.append(f"            g{where} = r{i}")
+                lines.append(f"            {g} = r{i}")
         return lines
 
     # ----- a replay's node -----
