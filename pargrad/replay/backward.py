@@ -219,6 +219,10 @@ class Segment:
                 if plan.check is not None:
                     check(plan.name, versions[plan.check])
                 results = plan.apply(inputs, saved)
+                del inputs
+                for dead in plan.gin:  # its gradients are dead now, as in the engines
+                    if dead is not None:
+                        g[dead] = None
                 for i, (kind, where) in plan.dests:
                     r = results[i]
                     if kind == "out":
@@ -311,6 +315,8 @@ class Segment:
         else:
             lines.append(f"            rs = {general_call}")
             lines += [f"            r{i} = rs[{i}]" for i, _ in plan.dests]
+        # Its gradients are dead now (as the engines drop a buffer once its node ran).
+        lines += [f"            g{v} = None" for v in plan.gin if v is not None]
         return lines + self._deliver_lines(plan, ns)
 
     def _deliver_lines(self, plan: NodePlan, ns: Namespace) -> list[str]:

@@ -218,8 +218,9 @@ class Program:
 
     # ----- replay -----
 
-    def check_externals(self) -> str | None:
-        """Why an outside tensor no longer fits the recording (None: all fit)."""
+    def guard_failure(self) -> str | None:
+        """Why the recording no longer fits: an outside tensor or a watched Python value
+        changed (None: everything fits)."""
         for t, guard in zip(self.externals, self.ext_guard):
             if _guard_of(t) != guard:
                 return (f"an outside tensor changed: {_describe(guard)} -> "

@@ -1,16 +1,20 @@
 """``pargrad.capture(fn)``: a step that records once and replays (docs/capture.md).
 
-A ``Captured`` keeps a small cache of *variants*: one recorded ``Program`` per guard key.
-The key holds what the recording depends on and a call can change: the structure of the
+A ``Captured`` keeps a small cache of *variants*: one recording per guard key. The key
+holds what the recording depends on and a call can change: the structure of the
 arguments, each tensor argument's shape, dtype, device and requires_grad (and which
-arguments are the same tensor), each numpy argument's shape and dtype, the value of
-every other argument (identity for unhashable ones), and grad mode. The outside tensors
-a recording reached are checked by its program on each replay (shape, dtype, device,
-requires_grad); one that changed records the variant again.
+arguments are the same tensor), each numpy argument's shape and dtype (and whether it
+is a tensor argument's own array), the value of every other argument (floats by their
+bits; identity for unhashable ones, held weakly), grad mode, and the thresholds that
+choose how large ops run. A variant's program checks the rest on each replay
+(``Program.guard_failure``): the outside tensors the recording reached (shape, dtype,
+device, requires_grad) and the Python values it was told to watch (a Dropout's
+``training``); one that changed records the variant again.
 
-Thread-safety: ``_lock`` guards the cache and ``stats``; a recording and replays run
-outside it, so several threads may call one step at once (two that miss together both
-record; the later recording is kept).
+Thread-safety: ``_lock`` guards the cache and ``stats``, ``_making`` the making of a
+variant's program; recording and replaying run outside them, so several threads may
+call one step at once (two that miss together both record; the later recording is
+kept).
 """
 
 from __future__ import annotations
@@ -64,22 +68,16 @@ class CaptureStats:
     fallback: str | None = None
     """Why the step runs eagerly for good (and the line that caused it), or None."""
 
-    @property
-    def variants(self) -> int:
-        """Recordings made (kept or replaced)."""
-        return self.records
-
 
 class _Variant:
     """One recording of a step. Its program is made on its first replay (a step called
     once pays for recording only): until then ``pending`` holds the recording."""
 
-    __slots__ = ("key", "pending", "pinned", "program", "result")
+    __slots__ = ("pending", "pinned", "program", "result")
 
-    def __init__(self, key: tuple[Any, ...], program: Program | None,
+    def __init__(self, program: Program | None,
                  pending: tuple[recorder.Recorder, list[recorder.Returned]] | None,
                  result: Any, pinned: list[Any]) -> None:
-        self.key = key
         self.program = program
         self.pending = pending
         self.result = result  # how to build fn's return value from the returned tensors
@@ -132,7 +130,7 @@ class Captured(Generic[P, R]):
             program = variant.program or self._program(variant)
             if program is None:  # it could not be made: this call runs eagerly
                 return self.fn(*args, **kwargs)
-            why = program.check_externals()
+            why = program.guard_failure()
             if why is None:
                 out = program.run(tensors, arrays)
                 with self._lock:
@@ -184,7 +182,7 @@ class Captured(Generic[P, R]):
             except Unreplayable as exc:
                 self._fall_back(str(exc), None)
                 return result
-        variant = _Variant(key, program, None if program else (rec, kept), spec,
+        variant = _Variant(program, None if program else (rec, kept), spec,
                            self._held(pinned, key))
         with self._lock:
             self._variants[key] = variant
