@@ -50,7 +50,7 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
         description="Time pargrad's engines (and PyTorch and HIPS autograd, if installed) "
                     "on the same graphs, and compare the ratios with the targets in "
                     "docs/performance.md. Run it from the repository root.",
-        epilog="The full run takes about 3-4 minutes on 2 cores, --quick under one. Every "
+        epilog="The full run takes about 4-6 minutes on 2 cores, --quick about one. Every "
                "figure is a ratio of two medians from the same run; run on a quiet machine.")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true",
