@@ -556,7 +556,10 @@ def test_threads_replaying_one_step_at_once() -> None:
     for t in threads:
         t.join()
     assert not errors
-    assert step.stats.fallback is None and step.stats.replays >= 400
+    # Threads that miss the cache at once each record (without the GIL, several do).
+    stats = step.stats
+    assert stats.fallback is None and stats.replays + stats.records == stats.calls
+    assert stats.replays >= 400 - len(threads)
 
 
 def test_python_values_inside_the_function_are_constants_of_the_recording() -> None:
