@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from pargrad import parallel
+from pargrad import memory, parallel
 from pargrad.devices import CPU
 from pargrad.ops import large as buffers
 from pargrad.replay import source
@@ -328,9 +328,9 @@ class _Analysis:
                               for r, t in enumerate(returned)
                               if t.grad_fn is not None and id(t.grad_fn) in self.k_of}
         self.returned = returned
-        self.returned_on: dict[int, list[int]] = {}  # id(root array) -> returned tensors
+        self.returned_on: dict[int, list[int]] = {}  # id(memory owner) -> returned tensors
         for r, t in enumerate(returned):
-            self.returned_on.setdefault(id(_root(t.data)), []).append(r)
+            self.returned_on.setdefault(id(memory.owner(t.data)), []).append(r)
 
     def segments(self, keep: Callable[[int], int]
                  ) -> tuple[list[Segment], dict[tuple[int, int], tuple[int, int]]]:
@@ -463,8 +463,7 @@ class _Analysis:
         candidates: dict[int, None] = {}
         for _, value in items:
             if type(value) is np.ndarray:
-                for r in self.returned_on.get(id(value if value.base is None else _root(value)),
-                                              ()):
+                for r in self.returned_on.get(id(memory.owner(value)), ()):
                     candidates[r] = None
         for r in candidates:
             array = self.returned[r].data
@@ -476,14 +475,6 @@ class _Analysis:
                     break
         return (inputs_checked, returned_checked) if inputs_checked or returned_checked else (
             None)
-
-
-def _root(array: np.ndarray) -> Any:
-    """The object at the end of ``array``'s chain of bases: arrays that share memory
-    share it (an array made on a buffer that is not an array is its own root)."""
-    while isinstance(array.base, np.ndarray):
-        array = array.base
-    return array
 
 
 def _saved_items(instr: Instr) -> list[tuple[int, Any]]:

@@ -29,7 +29,7 @@ from typing import Any, Generic, ParamSpec, TypeVar
 
 import numpy as np
 
-from pargrad import anomaly, grad_mode, parallel
+from pargrad import anomaly, grad_mode, memory, parallel
 from pargrad.graph import next_sequence_nr
 from pargrad.ops import large as buffers
 from pargrad.replay import program as programs
@@ -369,15 +369,11 @@ def _views_an_input(returned: list[Tensor], rec: recorder.Recorder) -> bool:
 
 
 def _share_memory(tensors: list[Tensor]) -> bool:
-    """Whether two of ``tensors`` share memory (arrays that do share a root base)."""
-    by_root: dict[int, list[np.ndarray]] = {}
+    """Whether two of ``tensors`` share memory (only arrays in one owner's memory can)."""
+    by_owner: dict[int, list[np.ndarray]] = {}
     for t in tensors:
-        array = t.data
-        root = array
-        while isinstance(root.base, np.ndarray):
-            root = root.base
-        by_root.setdefault(id(root), []).append(array)
-    return any(np.shares_memory(a, b) for arrays in by_root.values()
+        by_owner.setdefault(id(memory.owner(t.data)), []).append(t.data)
+    return any(np.shares_memory(a, b) for arrays in by_owner.values()
                for i, a in enumerate(arrays) for b in arrays[i + 1:])
 
 
