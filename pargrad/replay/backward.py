@@ -97,18 +97,12 @@ class NodePlan:
         self.chunk = {i: ("cut" if i in op.cut_rules else "stream")
                       for i, _ in dests if i in op.cut_rules or i in op.stream_rules}
 
-    def param_values(self, saved: Sequence[Any]) -> dict[str, Any]:
-        if self.pspec is None:
-            return self.params
-        return {k: resolve(self.pspec[k], saved) if k in self.pspec else v
-                for k, v in self.params.items()}
-
     def apply(self, grads: list[Grad | None], saved: Sequence[Any]) -> list[Grad | None]:
         """The gradient per edge (the interpreter's path; the compiled one is inline)."""
         args = tuple([resolve(a, saved) for a in self.args])
         ans = (None if self.ans is None else tuple(resolve(a, saved) for a in self.ans)
                if isinstance(self.ans, list) else resolve(self.ans, saved))
-        params = self.param_values(saved)
+        params = source.resolve_params(self.params, self.pspec, saved)
         g = grads[0]
         if not self.lean or type(g) is not np.ndarray:
             return general(self.node, self.op)(grads, ans, args, params)
@@ -270,9 +264,7 @@ class Segment:
         args = [_expr(a, ns) for a in plan.args]
         ans = "None" if plan.ans is None else tuple_of([_expr(a, ns) for a in plan.ans]) if (
             isinstance(plan.ans, list)) else _expr(plan.ans, ns)
-        params = ns.name(plan.params, "p") if plan.pspec is None else "{" + ", ".join(
-            f"{k!r}: {_expr(plan.pspec[k], ns) if k in plan.pspec else ns.name(v)}"
-            for k, v in plan.params.items()) + "}"
+        params = source.params_source(plan.params, ns, plan.pspec, "s")
         live = " or ".join(f"{g} is not None" for g in gnames if g != "None") or "False"
         lines = [f"        if {live}:  # {plan.name}", f"            at = {pos}"]
         if plan.saves:
@@ -290,10 +282,7 @@ class Segment:
             rules = plan.op.direct_rules
             for i, _ in plan.dests:
                 rule = ns.name(rules[i], "rule")
-                words = [g, ans, *args] + [
-                    f"{k}={_expr(plan.pspec[k], ns)}" if plan.pspec and k in plan.pspec
-                    else f"{k}={ns.name(v, 'p')}" for k, v in plan.params.items()]
-                call = f"{rule}({', '.join(words)})"
+                call = source.call(rule, [g, ans, *args], plan.params, ns, plan.pspec, "s")
                 how = plan.chunk.get(i)
                 if how is not None:
                     lines.append(f"                r{i} = {ns.name(parallel.elementwise, 'ew')}("

@@ -30,7 +30,7 @@ from pargrad.ops import large as buffers
 from pargrad.replay import source
 from pargrad.replay.backward import CapturedBackward, NodePlan, Segment
 from pargrad.replay.recorder import Instr, Recorder, Returned
-from pargrad.replay.source import Namespace, resolve
+from pargrad.replay.source import Namespace
 from pargrad.tensor import Tensor
 
 SEGMENT_COST = 1 << 18
@@ -94,9 +94,7 @@ class _Step:
         if form == "detach":
             values[self.outs[0]] = args[0]
             return
-        params = self.params if self.pspec is None else {
-            k: resolve(self.pspec[k], values) if k in self.pspec else v
-            for k, v in self.params.items()}
+        params = source.resolve_params(self.params, self.pspec, values)
         out = self.fn(*args, **params) if params else self.fn(*args)
         if form == "multi":
             for slot, o in zip(self.outs, out):

@@ -73,6 +73,24 @@ def tuple_of(items: Sequence[str]) -> str:
     return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
 
 
+def params_source(params: dict[str, Any], ns: Namespace, pspec: dict[str, Any] | None,
+                  prefix: str) -> str:
+    """The source of the dict ``params``, as ``call`` writes each parameter."""
+    if pspec is None:
+        return ns.name(params, "p")
+    return "{" + ", ".join(f"{k!r}: {expression(pspec[k], ns, prefix)}" if k in pspec
+                           else f"{k!r}: {ns.name(v, 'p')}" for k, v in params.items()) + "}"
+
+
+def resolve_params(params: dict[str, Any], pspec: dict[str, Any] | None,
+                   values: Sequence[Any]) -> dict[str, Any]:
+    """``params`` with the values of the recording ``pspec`` names read from ``values``
+    (the interpreter's)."""
+    if pspec is None:
+        return params
+    return {k: resolve(pspec[k], values) if k in pspec else v for k, v in params.items()}
+
+
 def resolve(spec: Any, values: Sequence[Any]) -> Any:
     """The value of an operand spec, slots read from ``values`` (the interpreter's)."""
     if spec[0] == "slot":
