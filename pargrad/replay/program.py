@@ -326,6 +326,7 @@ class _Analysis:
                               for r, t in enumerate(returned)
                               if t.grad_fn is not None and id(t.grad_fn) in self.k_of}
         self.returned = returned
+        self.counter_input = self._counters()
         self.returned_on: dict[int, list[int]] = {}  # id(memory owner) -> returned tensors
         for r, t in enumerate(returned):
             self.returned_on.setdefault(id(memory.owner(t.data)), []).append(r)
@@ -362,6 +363,16 @@ class _Analysis:
         by_node = {(id(self.instrs[k].node), m): where for (k, m), where in index.items()}
         return made, by_node
 
+    def _counters(self) -> dict[int, tuple[str, int]]:
+        """id(version counter) -> the argument or outside tensor it counts, as
+        ``("ext" | "arg", index)``."""
+        program, found = self.program, {}
+        for (kind, i), slot in zip(program.inputs, program.input_slots):
+            t = program.externals[i] if kind == "ext" else self.rec.input_tensor.get(slot)
+            if t is not None and t._counter is not None:
+                found[id(t._counter)] = (kind, i)
+        return found
+
     def _variables(self, members: list[int], outputs: list[tuple[int, int]],
                    segment_of: list[int]) -> tuple[dict[tuple[int, int], int], set[int]]:
         """A segment's gradient variables: one per output ``(k, m)`` of its nodes that
@@ -380,15 +391,10 @@ class _Analysis:
     def _segment(self, members: list[int], outputs: list[tuple[int, int]],  # noqa: C901, PLR0915
                  segment_of: list[int], index: dict[tuple[int, int], tuple[int, int]],
                  keep: Callable[[int], int]) -> Segment:
-        rec, program = self.rec, self.program
+        rec = self.rec
         s = segment_of[members[0]]
         variables, accumulated = self._variables(members, outputs, segment_of)
         incoming = [variables[key] for key in outputs]
-        counter_input: dict[int, tuple[str, int]] = {}
-        for (kind, i), slot in zip(program.inputs, program.input_slots):
-            t = program.externals[i] if kind == "ext" else rec.input_tensor.get(slot)
-            if t is not None and t._counter is not None:
-                counter_input[id(t._counter)] = (kind, i)
         position: dict[int, int] = {}  # slot -> index in the saved tuple
 
         def saved(value: Any, name: str, output: bool = False) -> tuple[str, Any]:
@@ -423,7 +429,7 @@ class _Analysis:
                 ans_value, name, True)
             pspec = None if instr.pspec is None else {
                 key: slots_to_positions(spec, name) for key, spec in instr.pspec.items()}
-            found = self._checks(instr, counter_input)
+            found = self._checks(instr)
             check_index = None
             if found is not None:
                 check_index = len(checks)
@@ -447,13 +453,13 @@ class _Analysis:
                        output_meta, saved_slots, checks, device)
 
 
-    def _checks(self, instr: Instr, counter_input: dict[int, tuple[str, int]]
-                ) -> tuple[list[Any], list[Any]] | None:
+    def _checks(self, instr: Instr) -> tuple[list[Any], list[Any]] | None:
         """What a replay checks before running ``instr``'s node: the versions of the
         arguments and outside tensors it saved (``(where, kind, index)``) and of the
         returned tensors whose memory it saved (``(where, returned index)``); None:
         nothing."""
         versions = instr.saved[2]
+        counter_input = self.counter_input
         inputs_checked = [(r.where, *counter_input[id(r.counter)])
                           for r in versions if id(r.counter) in counter_input]
         returned_checked = []
