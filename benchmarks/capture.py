@@ -189,37 +189,44 @@ SIZES = (64, 64, 64, 10)
 BATCH = 32
 
 
+def _logits(params: list[Any], h: Any, relu: Callable[[Any], Any]) -> Any:
+    """The MLP's forward, in either library: a linear layer per (weight, bias) pair of
+    ``params``, ``relu`` between them."""
+    for k in range(0, len(params), 2):
+        h = h @ params[k] + params[k + 1]
+        if k + 2 < len(params):
+            h = relu(h)
+    return h
+
+
+def _training(opt: Any, loss: Callable[[Any, Any], Any], batches: list[Any]) -> Step:
+    """A training step on the next of ``batches``, in either library: zero the
+    gradients, forward, backward, update."""
+    count = [0]
+
+    def step() -> None:
+        x, y = batches[count[0] % len(batches)]
+        count[0] += 1
+        opt.zero_grad()
+        loss(x, y).backward()
+        opt.step()
+    return step
+
+
 def mlp_step(mode: str, torch: Any) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     weights = [(rng.normal(0, n ** -0.5, (n, m)).astype(np.float32), np.zeros(m, np.float32))
                for n, m in itertools.pairwise(SIZES)]
     batches = [(rng.standard_normal((BATCH, SIZES[0])).astype(np.float32),
                 rng.integers(0, SIZES[-1], BATCH)) for _ in range(4)]
+    tensors = [(pargrad.tensor(x), pargrad.tensor(y)) for x, y in batches]
 
     def pargrad_model() -> tuple[list[pargrad.Tensor], Callable[..., Any]]:
         params = [pargrad.tensor(a.copy(), requires_grad=True) for pair in weights for a in pair]
-
-        def loss(x: Any, y: Any) -> Any:
-            h = x
-            for k in range(0, len(params), 2):
-                h = h @ params[k] + params[k + 1]
-                if k + 2 < len(params):
-                    h = pargrad.relu(h)
-            return pargrad.cross_entropy(h, y)
-        return params, loss
+        return params, lambda x, y: pargrad.cross_entropy(_logits(params, x, pargrad.relu), y)
 
     def loop(loss: Callable[..., Any], params: list[pargrad.Tensor]) -> Step:
-        opt = pargrad.optim.SGD(params, lr=0.01, momentum=0.9)
-        tensors = [(pargrad.tensor(x), pargrad.tensor(y)) for x, y in batches]
-        count = [0]
-
-        def step() -> None:
-            x, y = tensors[count[0] % len(tensors)]
-            count[0] += 1
-            opt.zero_grad()
-            loss(x, y).backward()
-            opt.step()
-        return step
+        return _training(pargrad.optim.SGD(params, lr=0.01, momentum=0.9), loss, tensors)
 
     eager_params, eager_loss = pargrad_model()
     captured_params, plain_loss = pargrad_model()
@@ -227,7 +234,7 @@ def mlp_step(mode: str, torch: Any) -> dict[str, Any]:
                               "pargrad captured": loop(pargrad.capture(plain_loss),
                                                        captured_params)}
     _, loss = pargrad_model()
-    x0, y0 = pargrad.tensor(batches[0][0]), pargrad.tensor(batches[0][1])
+    x0, y0 = tensors[0]
     first = _first_call(lambda: pargrad.capture(loss), (x0, y0), lambda: loss(x0, y0))
     if torch is not None:
         steps.update(_torch_steps(torch, _torch_mlp(torch, weights, batches)))
@@ -238,26 +245,11 @@ def mlp_step(mode: str, torch: Any) -> dict[str, Any]:
 
 def _torch_mlp(torch: Any, weights: list[tuple[np.ndarray, np.ndarray]],
                batches: list[tuple[np.ndarray, np.ndarray]]) -> Step:
-    params = []
-    for w, b in weights:
-        params += [torch.tensor(w.copy(), requires_grad=True),
-                   torch.tensor(b.copy(), requires_grad=True)]
-    opt = torch.optim.SGD(params, lr=0.01, momentum=0.9)
-    tensors = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in batches]
-    count = [0]
-
-    def step() -> None:
-        x, y = tensors[count[0] % len(tensors)]
-        count[0] += 1
-        opt.zero_grad()
-        h = x
-        for k in range(0, len(params), 2):
-            h = h @ params[k] + params[k + 1]
-            if k + 2 < len(params):
-                h = torch.relu(h)
-        torch.nn.functional.cross_entropy(h, y).backward()
-        opt.step()
-    return step
+    params = [torch.tensor(a.copy(), requires_grad=True) for pair in weights for a in pair]
+    return _training(
+        torch.optim.SGD(params, lr=0.01, momentum=0.9),
+        lambda x, y: torch.nn.functional.cross_entropy(_logits(params, x, torch.relu), y),
+        [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in batches])
 
 
 # ----- random-dag -----
